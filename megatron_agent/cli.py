@@ -100,6 +100,23 @@ def train(args) -> int:
     return 0
 
 
+def plot(args) -> int:
+    """PNG curves comparing runs' metrics.jsonl, and a table of their phase timings."""
+    from megatron_agent.plot import default_out_path, load_runs, phase_table, plot_runs
+
+    out = args.out or default_out_path(args.run_dirs)
+    keys = [key.strip() for key in args.keys.split(",") if key.strip()] if args.keys else None
+    try:
+        runs = load_runs(args.run_dirs)
+        plot_runs(runs, out, keys=keys, x=args.x, average_seeds=args.average_seeds)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    print(phase_table(runs, average_seeds=args.average_seeds))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-agent", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="the main job; configs/config.yaml plus key=value overrides")
     p.add_argument("overrides", nargs="*", help="e.g. seed=1 algorithm=gigpo actor.lr=5e-4 run_dir=runs/x")
     p.set_defaults(func=train)
+
+    p = sub.add_parser("plot", help="PNG curves comparing runs, and their phase timings")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", help="the PNG to write (default: RUN_DIR/plot.png for one run, "
+                   "./runs_comparison.png for several)")
+    p.add_argument("--keys", help="comma-separated metrics, one panel each (default: success rate, "
+                   "validation success rate, episode length, invalid-action rate)")
+    p.add_argument("--x", choices=["iteration", "minutes"], default="iteration")
+    p.add_argument("--average-seeds", action="store_true",
+                   help="one curve per group of runs named alike but for a seed suffix (-seed0, _s1)")
+    p.set_defaults(func=plot)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
