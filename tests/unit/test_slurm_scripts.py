@@ -1,0 +1,251 @@
+"""The Slurm scripts in slurm/, run with bash (not sbatch) against stub executables.
+
+Each stub (scontrol, srun, hostname, ray, megatron-agent, python, curl) appends its argv
+to a log, one call a line, fields separated by tabs, and answers what the scripts ask:
+two nodes, node1 at 10.0.0.1, a Ray cluster with STUB_RAY_GPUS GPUs. The srun stub drops
+its own options and runs the rest, so `srun -w node1 ray start ...` logs both calls.
+Sleeps are set to 0; the stubs that stand for long-running processes sleep until the
+script's trap kills them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
+TRAIN = SLURM_DIR / "train.sbatch"
+FLEET = SLURM_DIR / "sglang_fleet.sbatch"
+
+LOG_CALL = 'name=$(basename "$0"); (IFS=$\'\\t\'; printf "%s\\n" "$name${IFS}$*") >>"$STUB_LOG"\n'
+LOG_ENV = ('echo "$name:$1 RAY_ADDRESS=$RAY_ADDRESS RAY_AUTH_MODE=$RAY_AUTH_MODE RAY_AUTH_TOKEN=$RAY_AUTH_TOKEN"'
+           ' >>"$STUB_LOG.env"\n')
+
+STUBS = {
+    "scontrol": """
+if [ "$1 $2" = "show hostnames" ]; then printf '%s\\n' ${STUB_NODES:-node1 node2}; fi
+""",
+    # Drop srun's options (-w takes a value), run the command "on" that node.
+    "srun": """
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -w) export SLURMD_NODENAME="$2"; shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+exec "$@"
+""",
+    "hostname": """
+case "$SLURMD_NODENAME" in node1) echo "fe80::1 10.0.0.1 172.17.0.1" ;; *) echo "10.0.0.9" ;; esac
+""",
+    "ray": LOG_ENV + """
+case "$1" in
+  start) exec sleep 30 >/dev/null 2>&1 </dev/null ;;
+  status) printf 'Node status\\nActive:\\n (no active nodes)\\nTotal Usage:\\n 0.0/64.0 CPU\\n 0.0/%s.0 GPU\\n' "${STUB_RAY_GPUS:-16}" ;;
+esac
+""",
+    "megatron-agent": LOG_ENV + """
+if [ -e "$STUB_DIR/fail_once" ]; then rm "$STUB_DIR/fail_once"; exit 3; fi
+""",
+    "python": "exec sleep 30 >/dev/null 2>&1 </dev/null\n",
+    "curl": "",
+}
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STUBS.items():
+        path = bin_dir / name
+        path.write_text("#!/bin/bash\n" + LOG_CALL + body)
+        path.chmod(0o755)
+    return tmp_path
+
+
+def base_env(tmp_path: Path, **settings: str) -> dict[str, str]:
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "STUB_LOG": str(tmp_path / "calls.log"),
+        "STUB_DIR": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "megatron-agent",
+        "SLURM_GPUS_ON_NODE": "8",
+        "PROJECT_DIR": str(tmp_path),
+        "VENV": "",
+        "HEAD_START_SECONDS": "0",
+        "POLL_SECONDS": "0",
+        "WAIT_TIMEOUT": "3",
+    }
+    env.update(settings)
+    return env
+
+
+def run_train(tmp_path: Path, *args: str, **settings: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(TRAIN), *args], env=base_env(tmp_path, **settings), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+
+
+def calls(tmp_path: Path, name: str | None = None) -> list[list[str]]:
+    log = tmp_path / "calls.log"
+    rows = [line.split("\t") for line in log.read_text().splitlines()] if log.exists() else []
+    return [row for row in rows if name is None or row[0] == name]
+
+
+def train_argv(tmp_path: Path) -> list[str]:
+    (row,) = calls(tmp_path, "megatron-agent")
+    return row[1:]
+
+
+def test_every_sbatch_script_parses():
+    scripts = sorted(SLURM_DIR.glob("*.sbatch"))
+    assert {p.name for p in scripts} >= {"train.sbatch", "sglang_fleet.sbatch"}
+    for script in scripts:
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{script.name}: {result.stderr}"
+
+
+def test_train_starts_ray_on_every_node_then_trains(stubs):
+    result = run_train(stubs, "seed=3", "actor.lr=1e-4", RAY_PORT="6380", ENGINE_GPUS="4", GPUS_PER_ENGINE="2",
+                       EXTRA_OVERRIDES="algorithm=gigpo env=sokoban  model_dir=/models/q")
+    assert result.returncode == 0, result.stderr
+
+    sruns = calls(stubs, "srun")
+    assert all("--overlap" in row for row in sruns)
+    # The head's IP is asked of the head node; the first IPv4 address is used.
+    assert sruns[0][-4:] == ["-w", "node1", "hostname", "--ip-address"]
+    starts = {row[row.index("-w") + 1]: row[row.index("ray"):] for row in sruns if "ray" in row}
+    assert set(starts) == {"node1", "node2"}
+    head, worker = starts["node1"], starts["node2"]
+    assert head[:3] == ["ray", "start", "--head"]
+    assert {"--node-ip-address=10.0.0.1", "--port=6380", "--num-gpus=8", "--block"} <= set(head)
+    assert worker[:2] == ["ray", "start"] and "--head" not in worker
+    assert {"--address=10.0.0.1:6380", "--num-gpus=8", "--block"} <= set(worker)
+    assert ["ray", "status", "--address=10.0.0.1:6380"] in calls(stubs, "ray")
+
+    assert train_argv(stubs) == [
+        "train", "backend=gpu", "placement.launcher=ray", "placement.ray_address=auto",
+        "placement.trainer_ranks=12",  # 2 nodes x 8 GPUs - 4 engine GPUs
+        "placement.gpus_per_trainer=1", "placement.colocate=false",
+        "engine.num_engines=2", "engine.gpus_per_engine=2",
+        f"run_dir={stubs}/runs/megatron-agent-4242",
+        "algorithm=gigpo", "env=sokoban", "model_dir=/models/q",  # EXTRA_OVERRIDES, then "$@"
+        "seed=3", "actor.lr=1e-4",
+    ]
+    # One auth token for the job, the same in every Ray process and the driver.
+    env_rows = (stubs / "calls.log.env").read_text().splitlines()
+    tokens = {row.split("RAY_AUTH_TOKEN=")[1] for row in env_rows}
+    assert len(tokens) == 1 and re.fullmatch(r"[0-9a-f]{64}", tokens.pop())
+    assert all("RAY_AUTH_MODE=token" in row for row in env_rows)
+    assert {row.split()[0] for row in env_rows} >= {"ray:start", "ray:status", "megatron-agent:train"}
+    (train_env,) = [row for row in env_rows if row.startswith("megatron-agent:train")]
+    assert "RAY_ADDRESS=10.0.0.1:6380 " in train_env  # placement.ray_address=auto finds it
+    assert "stopping Ray on node1 node2" in result.stdout
+
+
+def test_train_exits_with_the_train_status(stubs):
+    (stubs / "fail_once").touch()
+    failed = run_train(stubs)
+    assert failed.returncode == 3
+    assert "stopping Ray" in failed.stdout  # the trap ran
+    assert run_train(stubs).returncode == 0
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"ENGINE_GPUS": "3", "GPUS_PER_ENGINE": "2"}, "ENGINE_GPUS=3 is not divisible by GPUS_PER_ENGINE=2"),
+    ({"ENGINE_GPUS": "16"}, "ENGINE_GPUS=16 leaves no GPU for training"),
+    ({"ENGINE_GPUS": "0"}, "ENGINE_GPUS=0 leaves no rollout engine"),
+    ({"GPUS_PER_ENGINE": "0"}, "GPUS_PER_ENGINE=0"),
+    ({"GPUS_PER_ENGINE": "16", "ENGINE_GPUS": "16"}, "GPUS_PER_ENGINE=16 is more than GPUS_PER_NODE=8"),
+    ({"RAY_PORT": "abc"}, "RAY_PORT='abc'"),
+    ({"COLOCATE": "yes"}, "COLOCATE='yes'"),
+    ({"RAY_AUTH_MODE": "off"}, "RAY_AUTH_MODE='off'"),
+    ({"COLOCATE": "true", "ENGINE_GPUS": "8"}, "ENGINE_GPUS=8 must be 0 with COLOCATE=true"),
+    ({"VENV": "/nonexistent"}, "VENV=/nonexistent"),
+])
+def test_bad_setting_fails_before_any_srun(stubs, settings, named):
+    result = run_train(stubs, **settings)
+    assert result.returncode != 0
+    assert named in result.stderr
+    assert calls(stubs, "srun") == [] and calls(stubs, "megatron-agent") == []
+
+
+def test_train_fails_when_the_cluster_never_has_all_gpus(stubs):
+    result = run_train(stubs, STUB_RAY_GPUS="8")
+    assert result.returncode != 0
+    assert "the Ray cluster has 8 of 16 GPUs" in result.stderr
+    assert calls(stubs, "megatron-agent") == []
+    assert "stopping Ray on node1 node2" in result.stdout
+
+
+def test_train_colocated_uses_every_gpu_for_training_and_engines(stubs):
+    result = run_train(stubs, COLOCATE="true", ENGINE_GPUS="0", GPUS_PER_ENGINE="4")
+    assert result.returncode == 0, result.stderr
+    argv = train_argv(stubs)
+    assert {"placement.trainer_ranks=16", "placement.colocate=true", "engine.num_engines=4",
+            "engine.gpus_per_engine=4"} <= set(argv)
+
+
+def test_train_uses_the_fleet_urls_and_resumes_in_place(stubs):
+    urls = stubs / "fleet.urls"
+    urls.write_text("http://node7:30000\nhttp://node7:30001\n\n")
+    result = run_train(stubs, ENGINE_GPUS="0", ENGINE_URLS_FILE=str(urls), RESUME="runs/old")
+    assert result.returncode == 0, result.stderr
+    argv = train_argv(stubs)
+    assert "engine.urls=[http://node7:30000,http://node7:30001]" in argv
+    assert not any(a.startswith(("engine.num_engines", "engine.gpus_per_engine")) for a in argv)
+    assert {"placement.trainer_ranks=16", "run_dir=runs/old", "resume=runs/old"} <= set(argv)
+
+
+def test_train_waits_for_the_fleet_urls_file_and_gives_up(stubs):
+    result = run_train(stubs, ENGINE_GPUS="0", ENGINE_URLS_FILE=str(stubs / "missing.urls"))
+    assert result.returncode != 0
+    assert "missing.urls did not appear" in result.stderr
+    assert calls(stubs, "megatron-agent") == []
+
+
+def test_fleet_writes_urls_when_healthy_and_removes_them_on_cancel(stubs):
+    urls = stubs / "fleet.urls"
+    env = base_env(stubs, MODEL_PATH="/models/q", TP_SIZE="4", URLS_FILE=str(urls),
+                   SGLANG_ARGS="--mem-fraction-static 0.8")
+    proc = subprocess.Popen(["bash", str(FLEET)], env=env, cwd=stubs, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not urls.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert urls.read_text().split() == ["http://node1:30000", "http://node1:30001",
+                                            "http://node2:30000", "http://node2:30001"]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert not urls.exists()
+    servers = {(row[row.index("-w") + 1], row[row.index("--port") + 1]): row
+               for row in calls(stubs, "srun")}
+    assert set(servers) == {("node1", "30000"), ("node1", "30001"), ("node2", "30000"), ("node2", "30001")}
+    second = servers[("node2", "30001")]
+    assert second[second.index("python"):second.index("python") + 3] == ["python", "-m", "sglang.launch_server"]
+    for flag, value in [("--model-path", "/models/q"), ("--host", "0.0.0.0"), ("--tp-size", "4"),
+                        ("--base-gpu-id", "4"), ("--mem-fraction-static", "0.8")]:
+        assert second[second.index(flag) + 1] == value
+    assert len(calls(stubs, "curl")) >= 4
+
+
+def test_fleet_refuses_a_tp_size_that_does_not_divide_the_node(stubs):
+    result = subprocess.run(["bash", str(FLEET)], env=base_env(stubs, MODEL_PATH="/m", TP_SIZE="3"),
+                            cwd=stubs, capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0
+    assert "TP_SIZE=3" in result.stderr
+    assert calls(stubs, "srun") == []
