@@ -85,6 +85,7 @@ def base_env(tmp_path: Path, **settings: str) -> dict[str, str]:
         "HEAD_START_SECONDS": "0",
         "POLL_SECONDS": "0",
         "WAIT_TIMEOUT": "3",
+        "EXTRA_OVERRIDES": "model=qwen3-8b model_dir=/models/q",
     }
     env.update(settings)
     return env
@@ -171,12 +172,19 @@ def test_train_exits_with_the_train_status(stubs):
     ({"RAY_AUTH_MODE": "off"}, "RAY_AUTH_MODE='off'"),
     ({"COLOCATE": "true", "ENGINE_GPUS": "8"}, "ENGINE_GPUS=8 must be 0 with COLOCATE=true"),
     ({"VENV": "/nonexistent"}, "VENV=/nonexistent"),
+    ({"EXTRA_OVERRIDES": "model=qwen3-8b model_dir=/path/to/Qwen3-8B"}, "model_dir=/path/to/Qwen3-8B is a placeholder"),
 ])
 def test_bad_setting_fails_before_any_srun(stubs, settings, named):
     result = run_train(stubs, **settings)
     assert result.returncode != 0
     assert named in result.stderr
     assert calls(stubs, "srun") == [] and calls(stubs, "megatron-agent") == []
+
+
+def test_train_takes_model_dir_from_the_arguments_over_the_placeholder(stubs):
+    result = run_train(stubs, "model_dir=/models/real", EXTRA_OVERRIDES="model=qwen3-8b model_dir=/path/to/Qwen3-8B")
+    assert result.returncode == 0, result.stderr
+    assert train_argv(stubs)[-3:] == ["model=qwen3-8b", "model_dir=/path/to/Qwen3-8B", "model_dir=/models/real"]
 
 
 def test_train_fails_when_the_cluster_never_has_all_gpus(stubs):
