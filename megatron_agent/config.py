@@ -11,6 +11,7 @@ naming the key.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from megatron_agent.driver import RunConfig
@@ -25,6 +26,7 @@ class ConfigError(ValueError):
 def load_run_config(overrides: list[str] | None = None, *, config_dir: Path = CONFIG_DIR,
                     config_name: str = "config") -> RunConfig:
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -32,18 +34,27 @@ def load_run_config(overrides: list[str] | None = None, *, config_dir: Path = CO
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value")
+    # The typed schema is the base of the defaults list (configs/config.yaml: `- run_schema`),
+    # so every field can be overridden and is type-checked as it is set.
+    ConfigStore.instance().store(name="run_schema", node=_schema())
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base=None):
             composed = compose(config_name=config_name, overrides=list(overrides or []))
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), composed)
-        run = OmegaConf.to_object(merged)
-        # The chosen env's fields only (a merge would keep the schema default's keys).
-        env_config = composed.get("env_config")
-        run.env_config = OmegaConf.to_container(env_config) if env_config is not None else {}
+        run = OmegaConf.to_object(composed)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_first_line(err)) from None
     validate_run_config(run)
     return run
+
+
+def _schema():
+    """RunConfig as an OmegaConf node; frozen dataclasses in it (ParallelConfig) are
+    read-only to OmegaConf, but configs must be able to set them."""
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(RunConfig)
+    OmegaConf.set_readonly(schema.parallel, False)
+    return schema
 
 
 def _first_line(err: Exception) -> str:
@@ -87,7 +98,44 @@ def validate_run_config(run: RunConfig) -> None:
     if run.algorithm.advantage_estimator == "gae":
         raise ConfigError("algorithm.advantage_estimator='gae' (PPO) needs the critic, which the driver "
                           "does not run yet (megatron_agent.training.Critic exists)")
-    if run.algorithm.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling: the driver does not resample groups yet")
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
+    validate_placement(run)
+
+
+def validate_placement(run: RunConfig) -> None:
+    """The parallel layout against the ranks and the model, where the engines go."""
+    from megatron_agent.models.config import validate_layout_for_model
+    from megatron_agent.models.tiny import PRESETS, TIED_EMBEDDINGS, TOKENIZER_KINDS, hf_config_for
+    from megatron_agent.platform import ParallelLayoutError
+
+    try:
+        run.placement.validate()
+    except ValueError as err:
+        raise ConfigError(f"placement.{err}") from None
+    try:
+        run.parallel.validate(run.placement.trainer_ranks)
+    except ParallelLayoutError as err:
+        raise ConfigError(f"parallel: {err} (with placement.trainer_ranks={run.placement.trainer_ranks})") from None
+    if run.model_dir is None:
+        tiny = run.tiny_model
+        for key, value, allowed in (("family", tiny.family, sorted(TIED_EMBEDDINGS)),
+                                    ("preset", tiny.preset, sorted(PRESETS)),
+                                    ("tokenizer", tiny.tokenizer, sorted(TOKENIZER_KINDS))):
+            if value not in allowed:
+                raise ConfigError(f"tiny_model.{key}={value!r}; choose one of {allowed}")
+        hf = hf_config_for(tiny.family, tiny.preset, num_hidden_layers=tiny.num_hidden_layers)
+    else:
+        config_file = Path(run.model_dir) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model_dir={run.model_dir!r} has no config.json (an HF model directory is needed)")
+        hf = json.loads(config_file.read_text())
+        hf = hf.get("text_config", hf)
+    try:
+        validate_layout_for_model(hf, run.parallel, training=True)
+    except ParallelLayoutError as err:
+        raise ConfigError(f"parallel: {err}") from None
+    if run.engine.server not in ("embedded", "sglang"):
+        raise ConfigError(f"engine.server={run.engine.server!r}; choose 'embedded' or 'sglang'")
+    if run.engine.server == "sglang" and not run.engine.urls and run.placement.launcher != "ray":
+        raise ConfigError("engine.server='sglang' is started by placement.launcher=ray (or give engine.urls)")

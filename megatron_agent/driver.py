@@ -1,25 +1,30 @@
 """The RL training loop, top to bottom.
 
-    collect grouped episodes -> advantages -> update -> weight sync -> log
+    collect grouped episodes -> (dynamic sampling) -> logprobs -> advantages -> update
+    -> weight sync -> log -> validate every N -> checkpoint every M
 
-The first cut: a typed config, one trainer rank in this process, embedded engine
-processes, NumberLine by default (the CPU main job, see docs/cpu_job.md). Hydra configs,
-multi-rank placement, validation, checkpoint/resume, TensorBoard and the GiGPO-vs-GRPO
-experiment come next.
+`train(config)` starts the trainer ranks where `config.placement` says (this process,
+local processes, or Ray actors; megatron_agent/placement.py) and each rank runs
+`train_rank`. The ranks run the same loop: rank 0 (the leader) also drives the rollout
+engines and the environments, writes the metrics, and broadcasts each iteration's batch;
+the update, the weight sync and checkpoints are collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
 from megatron_agent.algorithms import AlgorithmConfig, compute_advantages
+from megatron_agent.placement import PlacementConfig
+from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.actor import ActorConfig
+from megatron_agent.weight_sync import WeightSyncConfig
 from rollout.config import AgentLoopConfig, EngineConfig
 
 log = logging.getLogger(__name__)
@@ -28,13 +33,23 @@ MAX_ENGINE_RESTARTS = 2  # per step of an iteration
 
 
 @dataclass
+class TinyModelConfig:
+    """The model made on the spot in run_dir/model when model_dir is None."""
+
+    family: str = "qwen3"
+    preset: str = "tiny"
+    num_hidden_layers: int = 2
+    tokenizer: str = "words"  # "words": the 43-word job vocabulary; "bpe": byte-level BPE
+
+
+@dataclass
 class RunConfig:
     """The schema configs/*.yaml fill (megatron_agent.config.load_run_config); the defaults
     here are the libraries' own, the CPU main job's settings live in configs/."""
 
     run_dir: str = "runs/default"
-    # None: a tiny Qwen3 (2 layers, word-level tokenizer) is made in run_dir/model.
-    model_dir: str | None = None
+    model_dir: str | None = None  # an HF model directory; None: tiny_model, made on the spot
+    tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
     env: str = "numberline"
     env_config: dict = field(default_factory=dict)  # fields of the env's config dataclass
     num_groups: int = 16
@@ -50,8 +65,33 @@ class RunConfig:
     resume: str | None = None
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+
+def model_dir_of(config: RunConfig) -> str:
+    return config.model_dir or str(Path(config.run_dir) / "model")
+
+
+def prepare_run_dir(config: RunConfig) -> None:
+    """Before any rank starts: the run directory, the tiny model, the resolved config, and
+    no metrics left from an earlier run in the same directory (unless resuming from it)."""
+    from megatron_agent.models.tiny import write_tiny_model
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = model_dir_of(config)
+    if not (Path(model_dir) / "config.json").exists():
+        tiny = config.tiny_model
+        write_tiny_model(tiny.family, model_dir, preset=tiny.preset, seed=config.seed, tokenizer=tiny.tokenizer,
+                         num_hidden_layers=tiny.num_hidden_layers)
+    (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and not (config.resume and Path(config.resume).resolve() == run_dir.resolve()):
+        metrics.unlink()
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -96,31 +136,50 @@ def moving_average(values: list[float], window: int = 3) -> float:
     return sum(tail) / len(tail)
 
 
+def rollout_seeds(config: RunConfig, iteration: int, attempt: int = 0) -> list[int]:
+    """One env seed per group; dynamic sampling's extra rollouts (attempt > 0) get fresh ones."""
+    tries = config.algorithm.dynamic_sampling_max_tries if config.algorithm.dynamic_sampling else 1
+    first = config.seed * 1_000_003 + (iteration * tries + attempt) * config.num_groups
+    return [first + g for g in range(config.num_groups)]
+
+
 def train(config: RunConfig, on_iteration=None) -> list[dict]:
-    """Run the loop; return one metrics dict per iteration (also passed to `on_iteration`
-    and appended to run_dir/metrics.jsonl)."""
+    """Run the training; return one metrics dict per iteration (also passed to
+    `on_iteration` as it lands in run_dir/metrics.jsonl)."""
+    from megatron_agent.placement import launch
+
+    prepare_run_dir(config)
+    return launch(config, on_iteration)
+
+
+def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> list[dict]:
+    """The loop on one trainer rank. `launch_engines(engine_config, model_dir, log_dir)`
+    returns started engines (objects with `url` and `stop()`); by default embedded engine
+    processes on this machine. Returns the metrics on rank 0, [] on the others."""
+    import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from envs import EnvManager
-    from megatron_agent.models.tiny import write_tiny_model
-    from megatron_agent.platform import ParallelConfig, init_distributed
+    from megatron_agent.platform import control_group, init_distributed
     from megatron_agent.training.actor import Actor
-    from megatron_agent.training.batch import TrainBatch
     from megatron_agent.weight_sync import WeightSync, WeightSyncError
-    from rollout.agent_loop import run_rollout, run_validation
-    from rollout.engine_client import EngineError
-    from rollout.engine_launch import start_engines, stop_engines
-    from rollout.samples import collate
+    from rollout.agent_loop import run_validation
+    from rollout.engine_client import EngineClient, EngineError
+    from rollout.engine_launch import launch_embedded_engines, stop_engines
 
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = config.model_dir or str(run_dir / "model")
-    if not (Path(model_dir) / "config.json").exists():
-        write_tiny_model("qwen3", model_dir, seed=config.seed, num_hidden_layers=2, tokenizer="words")
-    (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
+    launch_engines = launch_engines or launch_embedded_engines
+    run_dir, model_dir = Path(config.run_dir), model_dir_of(config)
+    ctx = init_distributed(config.parallel, seed=config.seed)
+    leader = ctx.rank == 0
 
-    os.environ.setdefault("WORLD_SIZE", "1")
-    ctx = init_distributed(ParallelConfig(), seed=config.seed)
+    def from_leader(obj):
+        """The leader's `obj` on every rank."""
+        if ctx.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=control_group())
+        return box[0]
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     actor = Actor(model_dir, ctx.parallel, config.actor, config.algorithm)
     history, first_iteration = [], 0
@@ -130,107 +189,201 @@ def train(config: RunConfig, on_iteration=None) -> list[dict]:
         first_iteration = actor.step
         history = [row for row in read_metrics(Path(config.resume)) if row["iteration"] < first_iteration]
         log.info("resumed from %s at iteration %d", checkpoint, first_iteration)
-    metrics_file = (run_dir / "metrics.jsonl").open("w")
-    for row in history:
-        metrics_file.write(json.dumps(row) + "\n")
-    from torch.utils.tensorboard import SummaryWriter
 
-    tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
-    client, engines = start_engines(config.engine, model_dir)
-    envs = val_envs = None
+    engines, client, envs, val_envs, metrics_file, tensorboard = [], None, None, None, None, None
     try:
-        envs = EnvManager(config.env, config.env_config, num_groups=config.num_groups,
-                          group_size=config.group_size, backend="inline")
-        sync = WeightSync(actor, [e.url for e in engines] or list(config.engine.urls))
-        val_envs = (EnvManager(config.env, config.env_config, num_groups=config.loop.validation.num_episodes,
-                               group_size=1, backend="inline") if config.val_every else None)
+        if leader:
+            metrics_file = (run_dir / "metrics.jsonl").open("w")
+            for row in history:
+                metrics_file.write(json.dumps(row) + "\n")
+            from torch.utils.tensorboard import SummaryWriter
+
+            tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+            engines = [] if config.engine.urls else launch_engines(config.engine, model_dir, run_dir / "engines")
+            envs = EnvManager(config.env, config.env_config, num_groups=config.num_groups,
+                              group_size=config.group_size, backend="inline")
+            if config.val_every:
+                val_envs = EnvManager(config.env, config.env_config, group_size=1, backend="inline",
+                                      num_groups=config.loop.validation.num_episodes)
+        urls = from_leader(list(config.engine.urls) or [e.url for e in engines])
+        if leader:
+            client = EngineClient(urls, timeout_s=config.engine.timeout_s, max_attempts=config.engine.max_attempts,
+                                  auth_token=config.engine.auth_token)
+        sync = WeightSync(actor, urls, config.weight_sync)
         if first_iteration:
             sync.sync(version=first_iteration)  # the engines start from the model on disk
         successes = [row["train/success_rate"] for row in history]
         start = time.perf_counter()
         restarts = 0
 
-        def restart_engines(version: int) -> None:
-            """Replace dead embedded engines, then give them the actor's current weights."""
-            nonlocal client, engines, restarts
-            stop_engines(engines)
-            client.close()
-            client, engines = start_engines(config.engine, model_dir)
-            sync.set_engines([e.url for e in engines])
-            if version:
-                sync.sync(version=version)
-            restarts += 1
-
-        def with_engine_restarts(step, version: int):
-            """Run `step(client)`; when the engines fail, restart them and run it again
-            (embedded engines only: a configured SGLang fleet is the cluster's to restart)."""
+        def with_engine_restarts(step, version: int, everywhere: bool = False):
+            """Run `step()` on the leader (rollout, validation) or on every rank (weight sync).
+            When the engines fail, the leader restarts them (embedded engines only: a
+            configured SGLang fleet is the cluster's to restart), every rank points the
+            weight sync at the new ones and sends the current weights, and `step` runs again."""
+            nonlocal engines, client, restarts
+            resync = False
             for attempt in range(MAX_ENGINE_RESTARTS + 1):
+                result, error = None, None
                 try:
-                    return step(client)
-                except (EngineError, WeightSyncError) as err:
-                    if attempt == MAX_ENGINE_RESTARTS or config.engine.urls:
-                        raise
+                    if resync and version:
+                        sync.sync(version=version)
+                    if everywhere or leader:
+                        result = step()
+                except (EngineError, WeightSyncError) as err:  # a weight sync fails on every rank
+                    error = f"{type(err).__name__}: {err}"
+                error = error if everywhere else from_leader(error)
+                if error is None:
+                    return result
+                if attempt == MAX_ENGINE_RESTARTS or config.engine.urls:
+                    raise EngineError(error)
+                if leader:
                     log.warning("rollout engines failed (%s); restarting them (weights version %d) and retrying",
-                                str(err).splitlines()[0], version)
-                    restart_engines(version)
+                                error.splitlines()[0], version)
+                    stop_engines(engines)
+                    client.close()
+                    engines = launch_engines(config.engine, model_dir, run_dir / "engines")
+                    client = EngineClient([e.url for e in engines], timeout_s=config.engine.timeout_s,
+                                          max_attempts=config.engine.max_attempts,
+                                          auth_token=config.engine.auth_token)
+                sync.set_engines(from_leader([e.url for e in engines]))
+                resync, restarts = True, restarts + 1
 
-        def rollout_step(engine, seeds, index):
-            return run_rollout(envs, engine, tokenizer, config.loop, seeds, rollout_index=index)
+        def collect_batch(iteration):  # the client may be replaced by a restart
+            return collect(config, envs, client, tokenizer, iteration)
 
-        def sync_step(engine, version):  # the weight sync keeps its own client
-            return sync.sync(version=version)
-
-        def validation_step(engine):
-            return run_validation(val_envs, engine, tokenizer, config.loop)
+        def validate():
+            return run_validation(val_envs, client, tokenizer, config.loop)
 
         for iteration in range(first_iteration, config.iterations):
-            timing = {}
+            iteration_start, timing = time.perf_counter(), {}
             t = time.perf_counter()
-            seeds = [config.seed * 1_000_003 + iteration * config.num_groups + g for g in range(config.num_groups)]
-            rollout = with_engine_restarts(partial(rollout_step, seeds=seeds, index=iteration), iteration)
+            collected = with_engine_restarts(partial(collect_batch, iteration), iteration)
+            if leader:
+                batch, rollout_metrics, episodes = collected
+            batch = from_leader(batch if leader else None)
             timing["time/rollout"] = time.perf_counter() - t
 
             t = time.perf_counter()
-            samples = collate(rollout.samples)
-            advantages = compute_advantages(samples.step_samples(), config.algorithm).advantages
-            batch = TrainBatch.from_sequences(samples.prompt_ids, samples.response_ids,
-                                              pad_id=tokenizer.pad_token_id, advantages=advantages,
-                                              rollout_logprobs=samples.rollout_logprobs,
-                                              temperature=config.loop.sampling.temperature)
+            if config.algorithm.use_kl_loss and actor.reference is not None:
+                batch.ref_logprobs = actor.compute_logprobs(batch, reference=True, with_entropy=False)["logprobs"]
+            if config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1:
+                batch.old_logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
+            timing["time/logprobs"] = time.perf_counter() - t
+
+            t = time.perf_counter()
             metrics = actor.update(batch)
             timing["time/update"] = time.perf_counter() - t
 
             t = time.perf_counter()
-            metrics.update(with_engine_restarts(partial(sync_step, version=iteration + 1), iteration + 1))
+            metrics.update(with_engine_restarts(partial(sync.sync, version=iteration + 1), iteration + 1,
+                                                everywhere=True))
             timing["time/weight_sync"] = time.perf_counter() - t
-            episode_metrics = {k.replace("rollout/", "train/", 1): v for k, v in rollout.metrics.items()}
-            if val_envs is not None and (iteration + 1) % config.val_every == 0:
+            if config.val_every and (iteration + 1) % config.val_every == 0:
                 t = time.perf_counter()
-                metrics.update(with_engine_restarts(validation_step, iteration + 1).metrics)
+                validation = with_engine_restarts(validate,
+                                                  iteration + 1)
+                if leader:
+                    metrics.update(validation.metrics)
                 timing["time/validation"] = time.perf_counter() - t
-            if config.samples_every and iteration % config.samples_every == 0:
-                write_sample_episodes(run_dir / "samples" / f"iter_{iteration:06d}.txt", rollout.episodes[:4])
-            successes.append(episode_metrics["train/success_rate"])
-            row = {"iteration": iteration, "time/elapsed": time.perf_counter() - start, **episode_metrics,
-                   **metrics, **timing, "train/success_moving_average": moving_average(successes),
-                   "engine/restarts": restarts}
-            history.append(row)
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            for key, value in row.items():
-                if key != "iteration" and isinstance(value, int | float):
-                    tensorboard.add_scalar(key, value, iteration)
-            if on_iteration is not None:
-                on_iteration(row)
             if config.save_every and (iteration + 1) % config.save_every == 0:
+                t = time.perf_counter()
                 actor.save(run_dir / "checkpoints" / f"iter_{iteration + 1:06d}")
-            if config.stop_success is not None and row["train/success_moving_average"] >= config.stop_success:
+                timing["time/checkpoint"] = time.perf_counter() - t
+
+            stop = False
+            if leader:
+                if config.samples_every and iteration % config.samples_every == 0:
+                    write_sample_episodes(run_dir / "samples" / f"iter_{iteration:06d}.txt", episodes[:4])
+                iteration_seconds = time.perf_counter() - iteration_start
+                timing["time/other"] = iteration_seconds - sum(timing.values())
+                # parts of time/rollout (its rest: prompts, tokenizing, the loop itself)
+                timing["time/generate"] = rollout_metrics.pop("rollout/time_generate_s")
+                timing["time/env"] = rollout_metrics.pop("rollout/time_env_s")
+                rollout_metrics.pop("rollout/time_s")  # time/rollout
+                overhead = rollout_metrics.pop("rollout/overhead_share")
+                timing["time/iteration"] = iteration_seconds
+                tokens = float(batch.lengths.sum())
+                successes.append(rollout_metrics["rollout/success_rate"])
+                row = {"iteration": iteration, "time/elapsed": time.perf_counter() - start,
+                       **{k.replace("rollout/", "train/", 1): v for k, v in rollout_metrics.items()},
+                       **metrics, **timing, "train/success_moving_average": moving_average(successes),
+                       "perf/tokens_per_s": tokens / iteration_seconds,
+                       "perf/update_tokens_per_s": tokens / timing["time/update"],
+                       "perf/rollout_overhead_share": overhead,
+                       "engine/restarts": restarts}
+                history.append(row)
+                write_row(metrics_file, tensorboard, row)
+                if on_iteration is not None:
+                    on_iteration(row)
+                stop = config.stop_success is not None and row["train/success_moving_average"] >= config.stop_success
+            if from_leader(stop):
                 break
     finally:
-        metrics_file.close()
-        tensorboard.close()
+        if metrics_file is not None:
+            metrics_file.close()
+            tensorboard.close()
+        if client is not None:
+            client.close()
         stop_engines(engines)
         for manager in (envs, val_envs):
             if manager is not None:
                 manager.close()
-    return history
+    return history if leader else []
+
+
+def collect(config: RunConfig, envs, client, tokenizer, iteration: int):
+    """Roll out `num_groups` groups (more with dynamic sampling: groups whose episodes all
+    scored the same are dropped and new ones rolled until the batch is full or the tries
+    run out); return the training batch, the first rollout's episode metrics and its episodes."""
+    import numpy as np
+
+    from megatron_agent.algorithms import enough_groups, filter_zero_variance_groups
+    from megatron_agent.training.batch import TrainBatch
+    from rollout.agent_loop import run_rollout
+    from rollout.samples import collate
+
+    kept, metrics, episodes, tries, dropped = [], None, None, 0, 0
+    while True:
+        rollout = run_rollout(envs, client, tokenizer, config.loop, rollout_seeds(config, iteration, tries),
+                              rollout_index=iteration)
+        if metrics is None:
+            metrics, episodes = rollout.metrics, rollout.episodes
+        samples = [dataclasses.replace(s, group_id=s.group_id + tries * config.num_groups,
+                                       traj_id=s.traj_id + tries * config.num_groups * config.group_size)
+                   for s in rollout.samples]
+        tries += 1
+        if not config.algorithm.dynamic_sampling:
+            kept = samples
+            break
+        scores = np.array([s.episode_return for s in samples])
+        keep = filter_zero_variance_groups(scores, [s.group_id for s in samples])
+        dropped += keep.num_dropped
+        kept += [s for s, k in zip(samples, keep.keep) if k]
+        groups = sorted({s.group_id for s in kept})
+        if enough_groups(len(groups), config.num_groups, tries, config.algorithm.dynamic_sampling_max_tries):
+            chosen = set(groups[:config.num_groups])
+            kept = [s for s in kept if s.group_id in chosen]
+            break
+    if config.algorithm.dynamic_sampling:
+        metrics = {**metrics, "rollout/dynamic_sampling_tries": float(tries),
+                   "rollout/dynamic_sampling_dropped_groups": float(dropped),
+                   "rollout/dynamic_sampling_kept_groups": float(len({s.group_id for s in kept}))}
+        if not kept:
+            raise RuntimeError(f"dynamic sampling: every group of {tries} rollouts had equal episode scores; "
+                               "nothing to train on (raise algorithm.dynamic_sampling_max_tries)")
+    batch_samples = collate(kept)
+    advantages = compute_advantages(batch_samples.step_samples(), config.algorithm).advantages
+    batch = TrainBatch.from_sequences(batch_samples.prompt_ids, batch_samples.response_ids,
+                                      pad_id=tokenizer.pad_token_id, advantages=advantages,
+                                      rollout_logprobs=batch_samples.rollout_logprobs,
+                                      temperature=config.loop.sampling.temperature)
+    return batch, metrics, episodes
+
+
+def write_row(metrics_file, tensorboard, row: dict) -> None:
+    metrics_file.write(json.dumps(row) + "\n")
+    metrics_file.flush()
+    for key, value in row.items():
+        if key != "iteration" and isinstance(value, int | float):
+            tensorboard.add_scalar(key, value, row["iteration"])

@@ -99,3 +99,8 @@ class EngineConfig:
     threads_per_engine: int = 1
     max_batch_size: int = 256
     dtype: str = "float32"
+    # What the driver starts when `urls` is empty: "embedded" (this project's CPU engine)
+    # or "sglang" (an SGLang server per engine, on `gpus_per_engine` GPUs, placement=ray).
+    server: str = "embedded"
+    gpus_per_engine: int = 0
+    server_args: tuple[str, ...] = ()  # extra command-line flags for each SGLang server

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_agent.platform.distributed import die_with_parent
 from rollout.config import EngineConfig
 from rollout.engine_client import EngineClient, http_json
 
@@ -59,7 +60,7 @@ def _start(model_path: str, host: str, threads: int, max_batch_size: int, dtype:
            "--dtype", dtype]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=str(Path(__file__).resolve().parent.parent))
+                                cwd=str(Path(__file__).resolve().parent.parent), preexec_fn=die_with_parent)
     return proc, port, log_path
 
 
@@ -109,6 +110,43 @@ def wait_healthy(engine: EngineProcess, timeout_s: float) -> bool:
 def stop_engines(engines: list[EngineProcess]) -> None:
     for e in engines:
         e.stop()
+
+
+def launch_embedded_engines(config: EngineConfig, model_path: str | Path,
+                            log_dir: str | Path | None = None) -> list[EngineProcess]:
+    """The driver's default engine launcher: `config.num_engines` embedded engines here."""
+    return launch_engines(model_path, config.num_engines, host=config.host, threads=config.threads_per_engine,
+                          max_batch_size=config.max_batch_size, dtype=config.dtype, token=config.auth_token,
+                          log_dir=log_dir)
+
+
+def sglang_server_command(config: EngineConfig, model_path: str | Path, port: int) -> list[str]:
+    """The command line of one SGLang server (GPU machines; the `gpu` extra installs it)."""
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(config.dtype, config.dtype)
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", config.host,
+            "--port", str(port), "--tp-size", str(max(1, config.gpus_per_engine)), "--dtype", dtype,
+            "--max-running-requests", str(config.max_batch_size),
+            *(["--api-key", config.auth_token] if config.auth_token else []), *config.server_args]
+
+
+def start_sglang_server(config: EngineConfig, model_path: str | Path, log_dir: str | Path,
+                        index: int = 0, timeout_s: float = 900.0) -> EngineProcess:
+    """Start one SGLang server on a free port (its GPUs are CUDA_VISIBLE_DEVICES) and wait
+    until it answers /health; the URL names this host as others reach it."""
+    import socket
+
+    port = _free_port()
+    log_path = Path(log_dir) / f"sglang-{index}-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(sglang_server_command(config, model_path, port), stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    host = socket.gethostbyname(socket.gethostname()) if config.host in ("0.0.0.0", "::") else config.host
+    engine = EngineProcess(f"http://{host}:{port}", proc, log_path)
+    if not wait_healthy(engine, timeout_s):
+        raise RuntimeError(f"SGLang server {index} did not start; its log ({log_path}):\n"
+                           + log_path.read_text()[-3000:])
+    return engine
 
 
 def start_engines(config: EngineConfig, model_path: str | Path | None = None,

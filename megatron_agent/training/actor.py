@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing as mp
 import random
 import shutil
 from dataclasses import dataclass
@@ -352,6 +353,7 @@ class Actor:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
+        _writer_results_queue_dies_with_us()
         dist_checkpointing.save(self._state(is_loading=False), str(tmp))
         dist.barrier()
         if dist.get_rank() == 0:
@@ -439,3 +441,20 @@ def _set_adam_steps(optimizer, steps: int) -> None:
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in inner.optimizer.state.values():
             state["step"] = torch.tensor(float(steps))
+
+
+def _writer_results_queue_dies_with_us() -> None:
+    """dist_checkpointing's file writer collects results through a multiprocessing Manager
+    that it starts once and never stops (strategies/filesystem_async.py,
+    _get_write_results_queue). A trainer killed with SIGKILL would leave that server
+    process behind, holding the trainer's stdout; start it ourselves, set to die with us."""
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_agent.platform.distributed import die_with_parent
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        filesystem_async._results_queue = manager.Queue()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -58,7 +61,7 @@ def test_train_runs_the_rl_loop_and_writes_metrics(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("actor.lrr=1", "Key 'lrr' is not in struct"),
+        ("actor.lrr=1", "Key 'lrr' not in 'ActorConfig'; full_key: actor.lrr"),
         ("actor.lr=fast", "full_key: actor.lr"),
         ("algorithm=gipgo", "algorithm/gipgo"),
         ("group_size=1", "group_size=1 with algorithm.advantage_estimator='grpo'"),
@@ -101,3 +104,58 @@ def test_sigkill_mid_run_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     for a, b in zip(expected, rows):
         for key in ("train/success_rate", "train/episode_return", "actor/pg_loss", "actor/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
+
+
+KILL_INSIDE_THE_SECOND_SAVE = """
+import os, signal, sys
+from megatron.core import dist_checkpointing
+from megatron_agent.cli import main
+
+original, saves = dist_checkpointing.save, []
+
+def save_then_die(*args, **kwargs):  # the tensors are written, the checkpoint is not complete yet
+    original(*args, **kwargs)
+    saves.append(1)
+    if len(saves) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+dist_checkpointing.save = save_then_die
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def test_sigkill_inside_a_checkpoint_save_then_resume_from_the_last_complete_one(tmp_path):
+    import psutil
+
+    common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=6", "iterations=5", "save_every=2",
+              "val_every=0", "samples_every=0"]
+    clean = run_cli("train", f"run_dir={tmp_path / 'clean'}", *common)
+    assert clean.returncode == 0, clean.stderr
+    run_dir = tmp_path / "killed"
+    with open(tmp_path / "killed.log", "w") as log:
+        killed = subprocess.Popen([sys.executable, "-c", KILL_INSIDE_THE_SECOND_SAVE, f"run_dir={run_dir}", *common],
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        assert killed.wait(timeout=300) == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "iter_000002" / "megatron_agent.json").exists()
+    assert not (checkpoints / "iter_000004").exists() and (checkpoints / ".iter_000004.partial").exists()
+    # What the trainer started (its engine, the checkpoint writer's manager) died with it.
+    time.sleep(1.0)
+    left = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if os.getsid(p.pid) == killed.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(p.info["cmdline"] or []))
+        except (ProcessLookupError, PermissionError):
+            pass
+    assert not left, left
+
+    resumed = run_cli("train", f"run_dir={run_dir}", f"resume={run_dir}", f"model_dir={run_dir / 'model'}", *common)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(line) for line in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(5))
+    for a, b in zip(expected, rows):
+        for key in ("train/success_rate", "train/episode_return", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
+    assert (checkpoints / "iter_000004" / "megatron_agent.json").exists()
