@@ -134,12 +134,16 @@ class NumberLineConfig:
     # "json": `"action": "+"` (the Gym Cards form); "bare": the first word of the response
     # that is an action (tiny models trained from scratch, see docs/environments.md).
     action_format: str = "json"
+    # "dense": the shaped reward below; "sparse": +1 on reaching the target, -0.1 for
+    # every other step (only the outcome and the episode length say what was good).
+    reward: str = "dense"
 
 
 class NumberLineEnv:
-    """+1 on reaching the target (episode ends, won); -1 for a step that does not get
-    closer (a move away, a move blocked at either end, or text that does not parse,
-    which leaves the cursor where it is); 0 for a step that gets closer."""
+    """Dense reward: +1 on reaching the target (episode ends, won); -1 for a step that
+    does not get closer (a move away, a move blocked at either end, or text that does not
+    parse, which leaves the cursor where it is); 0 for a step that gets closer.
+    Sparse reward: +1 on reaching the target, -0.1 for any other step."""
 
     actions = ("+", "-")
 
@@ -154,6 +158,8 @@ class NumberLineEnv:
             raise ValueError("max_position must be >= 1")
         if config.action_format not in ("json", "bare"):
             raise ValueError(f"action_format={config.action_format!r}; choose json or bare")
+        if config.reward not in ("dense", "sparse"):
+            raise ValueError(f"reward={config.reward!r}; choose dense or sparse")
         self.config = config
         self.target = self.position = 0
         self.steps = 0
@@ -190,7 +196,10 @@ class NumberLineEnv:
             self.position = max(self.position - 1, 0)
         after = abs(self.position - self.target)
         won = after == 0
-        reward = 1.0 if won else (-1.0 if after >= before else 0.0)
+        if self.config.reward == "sparse":
+            reward = 1.0 if won else -0.1
+        else:
+            reward = 1.0 if won else (-1.0 if after >= before else 0.0)
         self.done = won or self.steps >= self.config.max_steps
         info = make_info(action is not None, won, action=action, truncated=self.done and not won)
         return self._observation(), reward, self.done, info

@@ -69,7 +69,7 @@ def validate_run_config(run: RunConfig) -> None:
     """The combinations no schema can express."""
     from envs.registry import get_spec, registered_envs
 
-    for name, section in (("algorithm", run.algorithm), ("actor", run.actor)):
+    for name, section in (("algorithm", run.algorithm), ("actor", run.actor), ("critic", run.critic)):
         try:
             section.validate()
         except ValueError as err:
@@ -95,9 +95,6 @@ def validate_run_config(run: RunConfig) -> None:
             f"group_size=1 with algorithm.advantage_estimator={run.algorithm.advantage_estimator!r}: "
             "group-relative advantages need at least 2 episodes per group"
         )
-    if run.algorithm.advantage_estimator == "gae":
-        raise ConfigError("algorithm.advantage_estimator='gae' (PPO) needs the critic, which the driver "
-                          "does not run yet (megatron_agent.training.Critic exists)")
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)

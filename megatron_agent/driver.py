@@ -65,6 +65,7 @@ class RunConfig:
     resume: str | None = None
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: ActorConfig = field(default_factory=ActorConfig)  # the value model of algorithm=ppo (GAE)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
@@ -156,12 +157,14 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
     """The loop on one trainer rank. `launch_engines(engine_config, model_dir, log_dir)`
     returns started engines (objects with `url` and `stop()`); by default embedded engine
     processes on this machine. Returns the metrics on rank 0, [] on the others."""
+    import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from envs import EnvManager
     from megatron_agent.platform import control_group, init_distributed
     from megatron_agent.training.actor import Actor
+    from megatron_agent.training.critic import Critic
     from megatron_agent.weight_sync import WeightSync, WeightSyncError
     from rollout.agent_loop import run_validation
     from rollout.engine_client import EngineClient, EngineError
@@ -182,10 +185,14 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     actor = Actor(model_dir, ctx.parallel, config.actor, config.algorithm)
+    critic = (Critic(model_dir, ctx.parallel, config.critic, config.algorithm)
+              if config.algorithm.advantage_estimator == "gae" else None)
     history, first_iteration = [], 0
     if config.resume:
         checkpoint = latest_checkpoint(Path(config.resume))
         actor.load(checkpoint)
+        if critic is not None:
+            critic.load(checkpoint.parent.parent / "critic_checkpoints" / checkpoint.name)
         first_iteration = actor.step
         history = [row for row in read_metrics(Path(config.resume)) if row["iteration"] < first_iteration]
         log.info("resumed from %s at iteration %d", checkpoint, first_iteration)
@@ -250,7 +257,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                 resync, restarts = True, restarts + 1
 
         def collect_batch(iteration):  # the client may be replaced by a restart
-            return collect(config, envs, client, tokenizer, iteration)
+            return collect_samples(config, envs, client, tokenizer, iteration)
 
         def validate():
             return run_validation(val_envs, client, tokenizer, config.loop)
@@ -260,9 +267,21 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
             t = time.perf_counter()
             collected = with_engine_restarts(partial(collect_batch, iteration), iteration)
             if leader:
-                batch, rollout_metrics, episodes = collected
+                samples, rollout_metrics, episodes = collected
+                batch = train_batch(samples, tokenizer, config)
             batch = from_leader(batch if leader else None)
             timing["time/rollout"] = time.perf_counter() - t
+
+            t = time.perf_counter()
+            values = critic.compute_values(batch) if critic is not None else None
+            if leader:
+                step_samples = samples.step_samples()
+                if values is not None:
+                    step_samples = dataclasses.replace(step_samples, values=values.numpy())
+                advantages = compute_advantages(step_samples, config.algorithm)
+            advantages = from_leader(advantages if leader else None)
+            batch.advantages = torch.as_tensor(advantages.advantages, dtype=torch.float32)
+            timing["time/advantages"] = time.perf_counter() - t
 
             t = time.perf_counter()
             if config.algorithm.use_kl_loss and actor.reference is not None:
@@ -274,6 +293,10 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
             t = time.perf_counter()
             metrics = actor.update(batch)
             timing["time/update"] = time.perf_counter() - t
+            if critic is not None:
+                t = time.perf_counter()
+                metrics.update(critic.update(batch, returns=advantages.returns, old_values=values))
+                timing["time/critic_update"] = time.perf_counter() - t
 
             t = time.perf_counter()
             metrics.update(with_engine_restarts(partial(sync.sync, version=iteration + 1), iteration + 1,
@@ -288,7 +311,10 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                 timing["time/validation"] = time.perf_counter() - t
             if config.save_every and (iteration + 1) % config.save_every == 0:
                 t = time.perf_counter()
-                actor.save(run_dir / "checkpoints" / f"iter_{iteration + 1:06d}")
+                name = f"iter_{iteration + 1:06d}"
+                if critic is not None:  # first: a complete actor checkpoint implies a complete critic one
+                    critic.save(run_dir / "critic_checkpoints" / name)
+                actor.save(run_dir / "checkpoints" / name)
                 timing["time/checkpoint"] = time.perf_counter() - t
 
             stop = False
@@ -332,14 +358,14 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
     return history if leader else []
 
 
-def collect(config: RunConfig, envs, client, tokenizer, iteration: int):
+def collect_samples(config: RunConfig, envs, client, tokenizer, iteration: int):
     """Roll out `num_groups` groups (more with dynamic sampling: groups whose episodes all
     scored the same are dropped and new ones rolled until the batch is full or the tries
-    run out); return the training batch, the first rollout's episode metrics and its episodes."""
+    run out); return the step samples (a SampleBatch), the first rollout's episode metrics
+    and its episodes."""
     import numpy as np
 
     from megatron_agent.algorithms import enough_groups, filter_zero_variance_groups
-    from megatron_agent.training.batch import TrainBatch
     from rollout.agent_loop import run_rollout
     from rollout.samples import collate
 
@@ -372,13 +398,17 @@ def collect(config: RunConfig, envs, client, tokenizer, iteration: int):
         if not kept:
             raise RuntimeError(f"dynamic sampling: every group of {tries} rollouts had equal episode scores; "
                                "nothing to train on (raise algorithm.dynamic_sampling_max_tries)")
-    batch_samples = collate(kept)
-    advantages = compute_advantages(batch_samples.step_samples(), config.algorithm).advantages
-    batch = TrainBatch.from_sequences(batch_samples.prompt_ids, batch_samples.response_ids,
-                                      pad_id=tokenizer.pad_token_id, advantages=advantages,
-                                      rollout_logprobs=batch_samples.rollout_logprobs,
-                                      temperature=config.loop.sampling.temperature)
-    return batch, metrics, episodes
+    return collate(kept), metrics, episodes
+
+
+def train_batch(samples, tokenizer, config: RunConfig):
+    """Token ids, response masks and rollout logprobs of the step samples (advantages are
+    set once the critic, if any, has valued them)."""
+    from megatron_agent.training.batch import TrainBatch
+
+    return TrainBatch.from_sequences(samples.prompt_ids, samples.response_ids, pad_id=tokenizer.pad_token_id,
+                                     rollout_logprobs=samples.rollout_logprobs,
+                                     temperature=config.loop.sampling.temperature)
 
 
 def write_row(metrics_file, tensorboard, row: dict) -> None:

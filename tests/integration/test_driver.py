@@ -38,8 +38,9 @@ def _run(overrides: list[str]) -> list[dict]:
     return train(load_run_config(overrides))
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    common = ["num_groups=4", "group_size=4", "stop_success=null", "save_every=2", "seed=3"]
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: the critic is checkpointed and resumed too
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, algorithm):
+    common = ["num_groups=4", "group_size=4", "stop_success=null", "save_every=2", "seed=3", f"algorithm={algorithm}"]
     full = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'full'}", "iterations=4", *common], timeout_s=300)[0]
     part = tmp_path / "part"
     run_on_ranks(_run, 1, [f"run_dir={part}", "iterations=2", *common], timeout_s=300)
@@ -48,6 +49,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
                                      "iterations=4", *common], timeout_s=300)[0]
     assert [row["iteration"] for row in resumed] == [0, 1, 2, 3]
     _same_metrics(full[2:], resumed[2:], rel=1e-6)
+    if algorithm == "ppo":
+        assert all(math.isfinite(row["critic/value_loss"]) for row in resumed)
+        assert resumed[3]["critic/value_mean"] != 0.0  # the value head has left its zero start
 
 
 def _run_killing_the_engine_after(overrides: list[str], kill_after: int) -> list[dict]:

@@ -51,7 +51,7 @@ def test_every_env_config_loads_and_builds(env):
         (["loop.sampling.temprature=1"], "Key 'temprature' not in 'SamplingConfig'; full_key: loop.sampling.temprature"),
         (["weight_sync.bucket_byte=1"], "full_key: weight_sync.bucket_byte"),
         (["algorithm=gigpo", "group_size=1"], "group_size=1 with algorithm.advantage_estimator='gigpo'"),
-        (["algorithm=ppo"], "needs the critic"),
+        (["algorithm=ppo", "critic.lr=-1"], "critic: "),
         (["parallel.tp=3", "placement.trainer_ranks=3"], "parallel: num_attention_heads=4 is not divisible by tp=3"),
         (["parallel.tp=2"], "does not divide the world size 1 (with placement.trainer_ranks=1)"),
         (["model=tiny-moe", "parallel.ep=3", "placement.trainer_ranks=3"], "num_experts=4 is not divisible by ep=3"),

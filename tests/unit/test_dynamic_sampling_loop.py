@@ -8,8 +8,9 @@ import re
 import pytest
 
 from envs import EnvManager
+from megatron_agent.algorithms import compute_advantages
 from megatron_agent.config import load_run_config
-from megatron_agent.driver import collect, rollout_seeds
+from megatron_agent.driver import collect_samples, rollout_seeds
 from megatron_agent.models.tiny import build_tokenizer
 from rollout.engine_client import GenerateOutput
 
@@ -40,14 +41,14 @@ def _collect(config, iteration=0):
     envs = EnvManager(config.env, config.env_config, num_groups=config.num_groups, group_size=config.group_size,
                       backend="inline")
     try:
-        return collect(config, envs, ScriptedEngine(build_tokenizer("words")), build_tokenizer("words"), iteration)
+        return collect_samples(config, envs, ScriptedEngine(build_tokenizer("words")), build_tokenizer("words"), iteration)
     finally:
         envs.close()
 
 
 def test_groups_without_signal_are_replaced_until_the_batch_is_full():
     config = _config()
-    batch, metrics, _ = _collect(config)
+    samples, metrics, _ = _collect(config)
     seeds = [s for attempt in range(config.algorithm.dynamic_sampling_max_tries)
              for s in rollout_seeds(config, 0, attempt)]
     informative = [s for s in seeds if s % 2]
@@ -57,9 +58,10 @@ def test_groups_without_signal_are_replaced_until_the_batch_is_full():
     assert metrics["rollout/dynamic_sampling_kept_groups"] == config.num_groups
     assert metrics["rollout/dynamic_sampling_dropped_groups"] == sum(
         1 for s in seeds[:tries_needed * config.num_groups] if s % 2 == 0)
+    assert len(set(samples.group_ids)) == config.num_groups
     # A dropped group's samples would all get a zero GRPO advantage; every kept one has a signal.
-    assert batch.size >= config.num_groups * config.group_size
-    assert bool((batch.advantages != 0).all())
+    advantages = compute_advantages(samples.step_samples(), config.algorithm).advantages
+    assert bool((advantages != 0).all())
 
 
 def test_no_informative_group_at_all_is_a_clear_error(monkeypatch):
@@ -73,7 +75,7 @@ def test_no_informative_group_at_all_is_a_clear_error(monkeypatch):
 
 def test_without_dynamic_sampling_the_first_rollout_is_the_batch():
     config = _config("algorithm.dynamic_sampling=false")
-    batch, metrics, episodes = _collect(config)
+    samples, metrics, episodes = _collect(config)
     assert "rollout/dynamic_sampling_tries" not in metrics
     assert len(episodes) == config.num_groups * config.group_size
-    assert batch.size == sum(len(e) for e in episodes)
+    assert len(samples.group_ids) == sum(len(e) for e in episodes)

@@ -64,6 +64,16 @@ def test_numberline_hand_worked():
     assert obs.text == "Target: 3\nCurrent: 3"
 
 
+def test_numberline_sparse_reward_pays_only_the_outcome():
+    env = make_env("numberline", {"reward": "sparse"})
+    env.reset(0)
+    env.target, env.position = 3, 1
+    rewards = [r for _, r, _, _ in play(env, ["+", "-", "+", "+"])]
+    assert rewards == [-0.1, -0.1, -0.1, 1.0]
+    with pytest.raises(ValueError, match="reward='shaped'"):
+        make_env("numberline", {"reward": "shaped"})
+
+
 def test_numberline_blocked_and_invalid_moves_cost_one():
     env = numberline(target=3, position=0)
     _, reward, _, info = env.step(act("-"))
