@@ -110,7 +110,7 @@ def test_multi_rank_trainers_reproduce_the_single_rank_run(tmp_path):
     assert "val/success_rate" in pp2[1] and pp2[-1]["weight_sync/bytes"] == single[-1]["weight_sync/bytes"]
 
 
-def test_a_dead_engine_is_restarted_under_a_multi_rank_trainer(tmp_path):
+def test_a_dead_engine_is_restarted_under_a_multi_rank_trainer_and_under_ray(tmp_path):
     """Rank 0 restarts the engine; both ranks re-sync their shards to it and the step is retried."""
     common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=5", "iterations=4", "val_every=0"]
     clean = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'clean'}", *common], timeout_s=300)[0]
@@ -119,3 +119,8 @@ def test_a_dead_engine_is_restarted_under_a_multi_rank_trainer(tmp_path):
                           timeout_s=300)[0]
     assert killed[-1]["engine/restarts"] == 1
     _same_metrics(clean, killed)
+    # Under Ray the engine is an actor's process: rank 0's actor starts a new engine actor.
+    on_ray = run_on_ranks(_run_killing_the_engine_after, 1, [f"run_dir={tmp_path / 'ray'}", "placement.launcher=ray",
+                                                            *common], 0, timeout_s=300)[0]
+    assert on_ray[-1]["engine/restarts"] == 1
+    _same_metrics(clean, on_ray)
