@@ -23,7 +23,7 @@ from pathlib import Path
 
 TASKS = {
     "dense": [],
-    "sparse": ["env_config.reward=sparse"],
+    "sparse": ["+experiment=numberline-sparse"],
 }
 ALGORITHMS = ("grpo", "gigpo")
 

@@ -75,13 +75,25 @@ def test_bad_config_fails_before_anything_starts_naming_the_key(tmp_path, overri
     assert not (tmp_path / "model").exists()  # no model, engine or rank was started
 
 
-def test_sigkill_mid_run_then_resume_reproduces_the_uninterrupted_run(tmp_path):
-    import os
-    import signal
-    import time
+def _kill_test_settings(seed: int) -> list[str]:
+    return ["num_groups=4", "group_size=4", "stop_success=null", f"seed={seed}", "iterations=5", "save_every=2",
+            "val_every=0", "samples_every=0"]
 
-    common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=4", "iterations=5", "save_every=2",
-              "val_every=0", "samples_every=0"]
+
+def _resume_reproduces(run_dir, clean_dir, common: list[str]) -> None:
+    """`resume=run_dir` finishes the run; every iteration's metrics equal the clean run's."""
+    resumed = run_cli("train", f"run_dir={run_dir}", f"resume={run_dir}", f"model_dir={run_dir / 'model'}", *common)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(line) for line in (clean_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(5))
+    for a, b in zip(expected, rows):
+        for key in ("train/success_rate", "train/episode_return", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
+
+
+def test_sigkill_mid_run_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+    common = _kill_test_settings(seed=4)
     clean = run_cli("train", f"run_dir={tmp_path / 'clean'}", *common)
     assert clean.returncode == 0, clean.stderr
     run_dir = tmp_path / "killed"
@@ -96,14 +108,7 @@ def test_sigkill_mid_run_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its engine process, mid-run
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    resumed = run_cli("train", f"run_dir={run_dir}", f"resume={run_dir}", f"model_dir={run_dir / 'model'}", *common)
-    assert resumed.returncode == 0, resumed.stderr
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    expected = [json.loads(line) for line in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == list(range(5))
-    for a, b in zip(expected, rows):
-        for key in ("train/success_rate", "train/episode_return", "actor/pg_loss", "actor/grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
+    _resume_reproduces(run_dir, tmp_path / "clean", common)
 
 
 KILL_INSIDE_THE_SECOND_SAVE = """
@@ -127,8 +132,7 @@ sys.exit(main(["train", *sys.argv[1:]]))
 def test_sigkill_inside_a_checkpoint_save_then_resume_from_the_last_complete_one(tmp_path):
     import psutil
 
-    common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=6", "iterations=5", "save_every=2",
-              "val_every=0", "samples_every=0"]
+    common = _kill_test_settings(seed=6)
     clean = run_cli("train", f"run_dir={tmp_path / 'clean'}", *common)
     assert clean.returncode == 0, clean.stderr
     run_dir = tmp_path / "killed"
@@ -150,12 +154,5 @@ def test_sigkill_inside_a_checkpoint_save_then_resume_from_the_last_complete_one
             pass
     assert not left, left
 
-    resumed = run_cli("train", f"run_dir={run_dir}", f"resume={run_dir}", f"model_dir={run_dir / 'model'}", *common)
-    assert resumed.returncode == 0, resumed.stderr
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    expected = [json.loads(line) for line in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == list(range(5))
-    for a, b in zip(expected, rows):
-        for key in ("train/success_rate", "train/episode_return", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
+    _resume_reproduces(run_dir, tmp_path / "clean", common)
     assert (checkpoints / "iter_000004" / "megatron_agent.json").exists()
