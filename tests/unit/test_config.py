@@ -91,3 +91,9 @@ def test_cluster_model_presets_fit_their_architectures(tmp_path, preset, hf, ran
     assert run.parallel.data_parallel_size(ranks) >= 1
     with pytest.raises(ConfigError, match="not divisible by tp=16"):  # 32 heads, but 8 or 4 KV heads
         load_run_config([*common, "parallel.tp=16", "parallel.ep=1", f"placement.trainer_ranks={16 * 8}"])
+
+
+def test_ready_experiments_load():
+    run = load_run_config(["+experiment=numberline-sparse", "algorithm=gigpo"])
+    assert run.env_config["reward"] == "sparse" and run.stop_success is None
+    assert run.algorithm.advantage_estimator == "gigpo"
