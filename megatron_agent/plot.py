@@ -285,11 +285,11 @@ def phase_table(runs: Sequence[Run], average_seeds: bool = False) -> str:
         if figures["reached_iteration"] is None:
             reached, at_minutes = "not reached", "-"
         else:
-            reached = f"{figures['reached_iteration']:g}"
+            reached = f"{figures['reached_iteration']:.4g}"
             if len(members) > 1:
                 reached += f" ({figures['reached_runs']}/{len(members)} runs)"
             at_minutes = f"{figures['reached_minutes']:.2f}"
-        cells = [label, f"{figures['iterations']:g}", reached, at_minutes,
+        cells = [label, f"{figures['iterations']:.4g}", reached, at_minutes,
                  f"{figures['seconds_per_iteration']:.2f}",
                  *("-" if figures.get(key) is None else f"{figures[key]:.2f}" for key in phases)]
         lines.append("| " + " | ".join(cells) + " |")
