@@ -154,7 +154,7 @@ def test_phase_table_of_a_seed_group(tmp_path):
     assert len(lines) == 3
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     # reached at iterations 0 (0.5 min) and 3 (4 min); iterations (4 + 5 + 2) / 3; rollout (11.5 + 12 + 10.5) / 3
-    assert cells[:6] == ["a (3 seeds)", f"{11 / 3:g}", "1.5 (2/3 runs)", "2.25", "60.00", f"{34 / 3:.2f}"]
+    assert cells[:6] == ["a (3 seeds)", f"{11 / 3:.4g}", "1.5 (2/3 runs)", "2.25", "60.00", f"{34 / 3:.2f}"]
 
 
 def test_truncated_last_line_is_tolerated(tmp_path):
