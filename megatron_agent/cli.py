@@ -1,4 +1,4 @@
-"""`megatron-agent` command line: doctor, init-model, train."""
+"""`megatron-agent` command line: doctor, init-model, train, plot."""
 
 from __future__ import annotations
 
