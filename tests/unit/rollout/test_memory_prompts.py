@@ -105,3 +105,14 @@ def test_bare_prompt_without_instructions_or_headers():
     assert build_messages("rules", "Target: 3\nCurrent: 1", [], 0, config) == [
         {"role": "user", "content": "Target: 3\nCurrent: 1"}
     ]
+
+
+def test_encoded_prompts_are_cached_but_equal_to_a_fresh_encoding(tokenizer):
+    for observation in ("Target: 1\nCurrent: 2", "Target: 2\nCurrent: 2", "Target: 1\nCurrent: 2"):
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": observation}]
+        text, ids = encode_messages(tokenizer, messages)
+        fresh_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text == fresh_text
+        assert ids == tokenizer(fresh_text, add_special_tokens=False)["input_ids"]
+        ids.append(-1)  # a caller's list: changing it must not reach the cache
+    assert encode_messages(tokenizer, messages)[1][-1] != -1
