@@ -31,6 +31,8 @@ if not torch.cuda.is_available():
     # Megatron warns at import that it falls back to torch kernels without Apex/TE; on a
     # CPU machine that is the plan, and `megatron-agent doctor` reports it once.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+    # A CUDA stream setting Megatron's TP layers recommend at every step; no streams here.
+    warnings.filterwarnings("ignore", message=r"When using async grad allreduce.*CUDA_DEVICE_MAX_CONNECTIONS")
 
 _applied = False
 _CPU = torch.device("cpu")
