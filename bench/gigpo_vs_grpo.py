@@ -46,6 +46,15 @@ def summarize(rows: list[dict], tail: int) -> dict:
                                                                           for r in rows[-tail:])}
 
 
+def sign_test_p(differences: list[float]) -> float:
+    """Two-sided sign test: how likely this many (or more lopsided) signs are by chance."""
+    from math import comb
+
+    n = sum(1 for d in differences if d != 0)
+    k = max(sum(1 for d in differences if d > 0), sum(1 for d in differences if d < 0))
+    return min(1.0, 2 * sum(comb(n, i) for i in range(k, n + 1)) / 2**n) if n else 1.0
+
+
 def fmt(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.3f}"
@@ -70,10 +79,11 @@ def main() -> None:
     table = [f"| task | algorithm | final success (last {args.tail} it) | mean success (all it) | iterations to 0.9 "
              f"(per seed) | episode length (last {args.tail} it) |",
              "|---|---|---|---|---|---|"]
+    paired = []
     for task in args.tasks:
-        dirs = []
+        dirs, by_algorithm = [], {}
         for algorithm in ALGORITHMS:
-            summaries = []
+            summaries = by_algorithm[algorithm] = []
             for seed in args.seeds:
                 run_dir = root / f"{task}-{algorithm}-seed{seed}"
                 dirs.append(run_dir)
@@ -90,6 +100,15 @@ def main() -> None:
                          f"{fmt([s['length'] for s in summaries])} |")
         plot_runs(load_runs(dirs), root / f"{task}.png", keys=["train/success_rate", "train/episode_length"],
                   average_seeds=True)
+        # Same seed, same initial model and env seeds: compare the two algorithms seed by seed.
+        for key in ("mean", "final"):
+            diffs = [g[key] - r[key] for g, r in zip(by_algorithm["gigpo"], by_algorithm["grpo"])]
+            paired.append(f"| {task} | {key} | " + " | ".join(f"{d:+.3f}" for d in diffs)
+                          + f" | {sum(d > 0 for d in diffs)}/{len(diffs)} | {sign_test_p(diffs):.3f} |")
+    seeds = " | ".join(f"seed {s}" for s in args.seeds)
+    table += ["", f"GiGPO minus GRPO, paired by seed (mean: over all iterations; final: last {args.tail})", "",
+              f"| task | success | {seeds} | GiGPO higher | sign test p |",
+              "|---|---|" + "---|" * len(args.seeds) + "---|---|", *paired]
     text = "\n".join(table)
     (root / "results.md").write_text(text + "\n")
     print(text)
