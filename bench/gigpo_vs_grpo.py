@@ -35,15 +35,14 @@ def run_one(overrides: list[str]) -> None:
     train(load_run_config(overrides))
 
 
-def first_reaching(rows: list[dict], bar: float) -> int | None:
-    return next((r["iteration"] for r in rows if r["train/success_moving_average"] >= bar), None)
+def summarize(run_dir: Path, tail: int) -> dict:
+    from megatron_agent.plot import load_runs, phase_figures
 
-
-def summarize(rows: list[dict], tail: int) -> dict:
-    success = [r["train/success_rate"] for r in rows]
+    run = load_runs([run_dir])[0]
+    success = [r["train/success_rate"] for r in run.rows]
     return {"final": statistics.mean(success[-tail:]), "mean": statistics.mean(success),
-            "reach": first_reaching(rows, 0.9), "length": statistics.mean(r["train/episode_length"]
-                                                                          for r in rows[-tail:])}
+            "reach": phase_figures(run)["reached_iteration"],  # the 3-iteration average at 0.9
+            "length": statistics.mean(r["train/episode_length"] for r in run.rows[-tail:])}
 
 
 def sign_test_p(differences: list[float]) -> float:
@@ -93,7 +92,7 @@ def main() -> None:
                                               f"iterations={args.iterations}", "stop_success=null", "val_every=0",
                                               "save_every=0", "samples_every=0", *TASKS[task]],
                                  timeout_s=3600)
-                summaries.append(summarize(read_metrics(run_dir), args.tail))
+                summaries.append(summarize(run_dir, args.tail))
             reach = ", ".join(str(s["reach"]) if s["reach"] is not None else "–" for s in summaries)
             table.append(f"| {task} | {algorithm} | {fmt([s['final'] for s in summaries])} | "
                          f"{fmt([s['mean'] for s in summaries])} | {reach} | "

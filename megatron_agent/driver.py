@@ -167,8 +167,8 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
     from megatron_agent.training.critic import Critic
     from megatron_agent.weight_sync import WeightSync, WeightSyncError
     from rollout.agent_loop import run_validation
-    from rollout.engine_client import EngineClient, EngineError
-    from rollout.engine_launch import launch_embedded_engines, stop_engines
+    from rollout.engine_client import EngineError
+    from rollout.engine_launch import engine_client, launch_embedded_engines, stop_engines
 
     launch_engines = launch_engines or launch_embedded_engines
     run_dir, model_dir = Path(config.run_dir), model_dir_of(config)
@@ -214,8 +214,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                                       num_groups=config.loop.validation.num_episodes)
         urls = from_leader(list(config.engine.urls) or [e.url for e in engines])
         if leader:
-            client = EngineClient(urls, timeout_s=config.engine.timeout_s, max_attempts=config.engine.max_attempts,
-                                  auth_token=config.engine.auth_token)
+            client = engine_client(config.engine, urls)
         sync = WeightSync(actor, urls, config.weight_sync)
         if first_iteration:
             sync.sync(version=first_iteration)  # the engines start from the model on disk
@@ -223,23 +222,23 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
         start = time.perf_counter()
         restarts = 0
 
-        def with_engine_restarts(step, version: int, everywhere: bool = False):
-            """Run `step()` on the leader (rollout, validation) or on every rank (weight sync).
-            When the engines fail, the leader restarts them (embedded engines only: a
-            configured SGLang fleet is the cluster's to restart), every rank points the
+        def with_engine_restarts(step, version: int, is_weight_sync: bool = False):
+            """Run `step()` on the leader (rollout, validation), or the weight sync itself on
+            every rank. When the engines fail, the leader restarts them (embedded engines only:
+            a configured SGLang fleet is the cluster's to restart), every rank points the
             weight sync at the new ones and sends the current weights, and `step` runs again."""
             nonlocal engines, client, restarts
             resync = False
             for attempt in range(MAX_ENGINE_RESTARTS + 1):
                 result, error = None, None
                 try:
-                    if resync and version:
+                    if resync and version and not is_weight_sync:  # the step itself re-sends them
                         sync.sync(version=version)
-                    if everywhere or leader:
+                    if is_weight_sync or leader:
                         result = step()
                 except (EngineError, WeightSyncError) as err:  # a weight sync fails on every rank
                     error = f"{type(err).__name__}: {err}"
-                error = error if everywhere else from_leader(error)
+                error = error if is_weight_sync else from_leader(error)
                 if error is None:
                     return result
                 if attempt == MAX_ENGINE_RESTARTS or config.engine.urls:
@@ -250,9 +249,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                     stop_engines(engines)
                     client.close()
                     engines = launch_engines(config.engine, model_dir, run_dir / "engines")
-                    client = EngineClient([e.url for e in engines], timeout_s=config.engine.timeout_s,
-                                          max_attempts=config.engine.max_attempts,
-                                          auth_token=config.engine.auth_token)
+                    client = engine_client(config.engine, [e.url for e in engines])
                 sync.set_engines(from_leader([e.url for e in engines]))
                 resync, restarts = True, restarts + 1
 
@@ -300,12 +297,11 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
 
             t = time.perf_counter()
             metrics.update(with_engine_restarts(partial(sync.sync, version=iteration + 1), iteration + 1,
-                                                everywhere=True))
+                                                is_weight_sync=True))
             timing["time/weight_sync"] = time.perf_counter() - t
             if config.val_every and (iteration + 1) % config.val_every == 0:
                 t = time.perf_counter()
-                validation = with_engine_restarts(validate,
-                                                  iteration + 1)
+                validation = with_engine_restarts(validate, iteration + 1)
                 if leader:
                     metrics.update(validation.metrics)
                 timing["time/validation"] = time.perf_counter() - t

@@ -162,15 +162,13 @@ class EngineActor:
         self.engine = None
 
     def start(self, engine_config, model_dir: str, log_dir: str, index: int) -> str:
-        from rollout.engine_launch import launch_engines, start_sglang_server
+        from rollout.engine_launch import launch_embedded_engines, start_sglang_server
 
         if engine_config.server == "sglang":
             self.engine = start_sglang_server(engine_config, model_dir, log_dir, index)
         else:
-            self.engine = launch_engines(model_dir, 1, host=engine_config.host,
-                                         threads=engine_config.threads_per_engine,
-                                         max_batch_size=engine_config.max_batch_size, dtype=engine_config.dtype,
-                                         token=engine_config.auth_token, log_dir=log_dir)[0]
+            one = dataclasses.replace(engine_config, num_engines=1)
+            self.engine = launch_embedded_engines(one, model_dir, log_dir)[0]
         return self.engine.url
 
     def pid(self) -> int:

@@ -122,9 +122,8 @@ def launch_embedded_engines(config: EngineConfig, model_path: str | Path,
 
 def sglang_server_command(config: EngineConfig, model_path: str | Path, port: int) -> list[str]:
     """The command line of one SGLang server (GPU machines; the `gpu` extra installs it)."""
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(config.dtype, config.dtype)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", config.host,
-            "--port", str(port), "--tp-size", str(max(1, config.gpus_per_engine)), "--dtype", dtype,
+            "--port", str(port), "--tp-size", str(max(1, config.gpus_per_engine)), "--dtype", config.dtype,
             "--max-running-requests", str(config.max_batch_size),
             *(["--api-key", config.auth_token] if config.auth_token else []), *config.server_args]
 
@@ -149,20 +148,21 @@ def start_sglang_server(config: EngineConfig, model_path: str | Path, log_dir: s
     return engine
 
 
+def engine_client(config: EngineConfig, urls: list[str]) -> EngineClient:
+    return EngineClient(urls, timeout_s=config.timeout_s, max_attempts=config.max_attempts,
+                        auth_token=config.auth_token)
+
+
 def start_engines(config: EngineConfig, model_path: str | Path | None = None,
                   log_dir: str | Path | None = None) -> tuple[EngineClient, list[EngineProcess]]:
-    """The one entry point for the driver: a client for `config.urls` (SGLang servers or
-    a router) when given, else for `config.num_engines` embedded engines started here on
-    `model_path`. Returns the client and the processes started (stop them at the end)."""
+    """A client for `config.urls` (SGLang servers or a router) when given, else for
+    `config.num_engines` embedded engines started here on `model_path`. Returns the
+    client and the processes started (stop them at the end)."""
     started: list[EngineProcess] = []
     urls = list(config.urls)
     if not urls:
         if model_path is None:
             raise ValueError("no engine URLs configured and no model path to start embedded engines on")
-        started = launch_engines(model_path, config.num_engines, host=config.host,
-                                 threads=config.threads_per_engine, max_batch_size=config.max_batch_size,
-                                 dtype=config.dtype, token=config.auth_token, log_dir=log_dir)
+        started = launch_embedded_engines(config, model_path, log_dir)
         urls = [e.url for e in started]
-    client = EngineClient(urls, timeout_s=config.timeout_s, max_attempts=config.max_attempts,
-                          auth_token=config.auth_token)
-    return client, started
+    return engine_client(config, urls), started
