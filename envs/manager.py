@@ -21,11 +21,7 @@ Failure handling:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import signal
-import time
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,204 +29,7 @@ import numpy as np
 
 from envs.base import Observation, make_info
 from envs.registry import get_spec, make_config
-
-
-class WorkerDied(Exception):
-    pass
-
-
-def failed_info(error: str) -> dict:
-    # The copy broke, not the model's text: is_action_valid stays True so the trainer
-    # adds no invalid-action penalty; the agent loop drops episodes with failed=True.
-    return make_info(True, False, failed=True, error=error)
-
-
-class EnvShard:
-    """The env copies one worker owns. Runs inside the worker (or inline)."""
-
-    def __init__(self, env_cls: type, config: Any, indices: Sequence[int]):
-        self.env_cls, self.config = env_cls, config
-        self.envs = {int(i): env_cls(config) for i in indices}
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def _rebuild(self, idx: int) -> None:
-        try:
-            self.envs[idx] = self.env_cls(self.config)
-        except Exception:  # keep the old copy; its next reset reports any lasting fault
-            pass
-
-    def reset(self, items: list[tuple[int, int]]) -> list[tuple[int, Observation | None, dict]]:
-        out = []
-        for idx, seed in items:
-            try:
-                obs = self.envs[idx].reset(seed)
-                out.append((idx, obs, make_info(True, False, failed=False)))
-            except Exception:
-                out.append((idx, None, failed_info(traceback.format_exc())))
-                self._rebuild(idx)
-        return out
-
-    def step(self, items: list[tuple[int, str]]) -> list[tuple[int, Observation | None, float, bool, dict]]:
-        out = []
-        for idx, text in items:
-            try:
-                obs, reward, done, info = self.envs[idx].step(text)
-                info.setdefault("failed", False)
-                out.append((idx, obs, float(reward), bool(done), info))
-            except Exception:
-                out.append((idx, None, 0.0, True, failed_info(traceback.format_exc())))
-                self._rebuild(idx)
-        return out
-
-
-def _worker_main(conn, env_cls, config, indices) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes us
-    try:
-        shard = EnvShard(env_cls, config, indices)
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            cmd, payload = conn.recv()
-        except (EOFError, OSError):
-            return
-        if cmd == "close":
-            return
-        conn.send(getattr(shard, cmd)(payload))
-
-
-class _InlineWorker:
-    def __init__(self, env_cls, config, indices):
-        self.shard = EnvShard(env_cls, config, indices)
-        self._result = None
-
-    pid = None
-
-    def send(self, cmd, payload):
-        self._result = getattr(self.shard, cmd)(payload)
-
-    def recv(self):
-        return self._result
-
-    def restart(self):
-        pass
-
-    def close(self):
-        pass
-
-
-class _ProcessWorker:
-    def __init__(self, env_cls, config, indices, start_method: str, timeout_s: float | None):
-        self.args = (env_cls, config, list(indices))
-        self.ctx = mp.get_context(start_method)
-        self.timeout_s = timeout_s
-        self.proc = None
-        self.conn = None
-        self._start()
-
-    def _start(self):
-        parent, child = self.ctx.Pipe(duplex=True)
-        self.proc = self.ctx.Process(target=_worker_main, args=(child, *self.args), daemon=True)
-        self.proc.start()
-        child.close()
-        self.conn = parent
-        self.pid = None
-
-    def wait_ready(self):
-        try:
-            kind, value = self._recv(timeout_s=None)
-        except WorkerDied as e:
-            raise RuntimeError(f"env worker failed to start: {e}") from None
-        if kind == "error":
-            self.proc.join(5)
-            raise RuntimeError(f"env worker could not build its env copies:\n{value}")
-        self.pid = value
-
-    def _recv(self, timeout_s):
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.conn.poll(0.1):
-            if not self.proc.is_alive() and not self.conn.poll(0):
-                raise WorkerDied(f"worker process {self.proc.pid} died (exit code {self.proc.exitcode})")
-            if deadline is not None and time.monotonic() > deadline:
-                self.proc.kill()
-                raise WorkerDied(f"worker process {self.proc.pid} exceeded step_timeout_s={timeout_s}")
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):
-            self.proc.join(1)
-            raise WorkerDied(
-                f"worker process {self.proc.pid} died (exit code {self.proc.exitcode})"
-            ) from None
-
-    def send(self, cmd, payload):
-        try:
-            self.conn.send((cmd, payload))
-        except (BrokenPipeError, EOFError, OSError):
-            raise WorkerDied(f"worker process {self.proc.pid} is gone") from None
-
-    def recv(self):
-        return self._recv(self.timeout_s)
-
-    def restart(self):
-        self._stop(graceful=False)
-        self._start()
-        self.wait_ready()
-
-    def _stop(self, graceful: bool):
-        if self.proc is None:
-            return
-        if graceful and self.proc.is_alive():
-            try:
-                self.conn.send(("close", None))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(2)
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-        self.conn.close()
-        self.proc = None
-
-    def close(self):
-        self._stop(graceful=True)
-
-
-class _RayWorker:
-    def __init__(self, env_cls, config, indices, timeout_s: float | None):
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
-        self.ray = ray
-        self.remote_cls = ray.remote(num_cpus=1)(EnvShard)
-        self.args = (env_cls, config, list(indices))
-        self.timeout_s = timeout_s
-        self._start()
-
-    def _start(self):
-        self.actor = self.remote_cls.remote(*self.args)
-        self.pid = self.ray.get(self.actor.pid.remote())
-        self._future = None
-
-    def send(self, cmd, payload):
-        self._future = getattr(self.actor, cmd).remote(payload)
-
-    def recv(self):
-        try:
-            return self.ray.get(self._future, timeout=self.timeout_s)
-        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as e:
-            raise WorkerDied(f"ray env actor died: {type(e).__name__}: {e}") from None
-
-    def restart(self):
-        self.ray.kill(self.actor, no_restart=True)
-        self._start()
-
-    def close(self):
-        self.ray.kill(self.actor, no_restart=True)
+from envs.workers import InlineWorker, ProcessWorker, RayWorker, WorkerDied, failed_info
 
 
 def _available_cpus() -> int:
@@ -286,16 +85,16 @@ class EnvManager:
         try:
             for shard in self.shards:
                 if backend == "process":
-                    worker = _ProcessWorker(spec.env_cls, self.config, shard, start_method, step_timeout_s)
+                    worker = ProcessWorker(spec.env_cls, self.config, shard, start_method, step_timeout_s)
                 elif backend == "ray":
-                    worker = _RayWorker(spec.env_cls, self.config, shard, step_timeout_s)
+                    worker = RayWorker(spec.env_cls, self.config, shard, step_timeout_s)
                 elif backend == "inline":
-                    worker = _InlineWorker(spec.env_cls, self.config, shard)
+                    worker = InlineWorker(spec.env_cls, self.config, shard)
                 else:
                     raise ValueError(f"unknown backend {backend!r}; use 'process', 'ray' or 'inline'")
                 self.workers.append(worker)
             for worker in self.workers:
-                if isinstance(worker, _ProcessWorker):
+                if isinstance(worker, ProcessWorker):
                     worker.wait_ready()
         except BaseException:
             self.close()

@@ -25,10 +25,10 @@ _REGISTRY: dict[str, EnvSpec] = {}
 
 _BUILTIN_MODULES = {
     "sokoban": "envs.sokoban",
-    "numberline": "envs.gym_cards",
-    "ezpoints": "envs.gym_cards",
-    "points24": "envs.gym_cards",
-    "blackjack": "envs.gym_cards",
+    "numberline": "envs.gym_cards.numberline",
+    "ezpoints": "envs.gym_cards.points",
+    "points24": "envs.gym_cards.points",
+    "blackjack": "envs.gym_cards.blackjack",
     "search": "envs.search",
 }
 
