@@ -64,12 +64,12 @@ def main() -> None:
     )
     to_mcore_s, to_mcore_rss = run_measured(
         "import os; os.environ['WORLD_SIZE'] = '1'\n"
-        "from megatron_agent.models.checkpoint import hf_to_mcore\n"
+        "from tools.checkpoint_convert.convert import hf_to_mcore\n"
         "from megatron_agent.platform import ParallelConfig\n"
         f"def work():\n    hf_to_mcore({str(hf_dir)!r}, {str(mcore_dir)!r}, ParallelConfig(), dtype='fp32')\n"
     )
     to_hf_s, to_hf_rss = run_measured(
-        "from megatron_agent.models.checkpoint import mcore_to_hf\n"
+        "from tools.checkpoint_convert.convert import mcore_to_hf\n"
         f"def work():\n    mcore_to_hf({str(mcore_dir)!r}, {str(back_dir)!r}, max_shard_bytes={_size(args.shard)})\n"
     )
     gb = total / 1e9

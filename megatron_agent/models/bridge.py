@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_agent.models.config import num_experts, padded_vocab_size, read_hf_config
 from megatron_agent.models.families import Rule, family_of
 from megatron_agent.models.families.common import (
     COLS,
@@ -36,6 +35,7 @@ from megatron_agent.models.families.common import (
     ROWS,
     VOCAB,
 )
+from megatron_agent.models.transformer_config import num_experts, padded_vocab_size, read_hf_config
 
 
 class WeightMappingError(ValueError):

@@ -6,13 +6,13 @@ import logging
 
 import torch
 
-from megatron_agent.models.config import (
+from megatron_agent.models.families import family_of
+from megatron_agent.models.transformer_config import (
     gpt_model_kwargs,
     num_experts,
     read_hf_config,
     transformer_config_from_hf,
 )
-from megatron_agent.models.families import family_of
 from megatron_agent.platform.device import detect_platform
 from megatron_agent.platform.parallel import ParallelConfig
 

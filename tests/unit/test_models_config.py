@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_agent.models import UnsupportedModelError, padded_vocab_size, transformer_config_from_hf
-from megatron_agent.models.config import gpt_model_kwargs, moe_layer_pattern, rope_settings
 from megatron_agent.models.tiny import hf_config_for
+from megatron_agent.models.transformer_config import gpt_model_kwargs, moe_layer_pattern, rope_settings
 from megatron_agent.platform import ParallelConfig
 
 

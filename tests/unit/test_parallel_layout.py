@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from megatron_agent.models.config import transformer_config_from_hf, validate_layout_for_model
 from megatron_agent.models.tiny import hf_config_for
+from megatron_agent.models.transformer_config import transformer_config_from_hf, validate_layout_for_model
 from megatron_agent.platform import ParallelConfig, ParallelLayoutError, init_distributed
 
 

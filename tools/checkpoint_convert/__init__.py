@@ -1,2 +1,2 @@
-"""`megatron-agent-convert`: HF <-> Megatron checkpoints, a thin CLI over
-`megatron_agent.models.checkpoint` (see docs/models.md)."""
+"""`megatron-agent-convert`: HF <-> Megatron checkpoints. `cli.py` parses the arguments,
+`convert.py` holds the conversions (see docs/models.md)."""

@@ -1,4 +1,4 @@
-"""megatron-agent-convert: HF <-> Megatron checkpoints (a thin CLI over megatron_agent).
+"""megatron-agent-convert: HF <-> Megatron checkpoints (a thin CLI over convert.py).
 
     megatron-agent-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --etp N] [--dtype bf16|fp32]
     megatron-agent-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...]
@@ -63,19 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
 
-    from megatron_agent.models import checkpoint
     from megatron_agent.platform.launch import RankFailed
+    from tools.checkpoint_convert import convert
 
     try:
         if args.command == "hf-to-mcore":
-            checkpoint.hf_to_mcore(args.hf, args.out, _parallel(args), dtype=args.dtype)
+            convert.hf_to_mcore(args.hf, args.out, _parallel(args), dtype=args.dtype)
             print(f"wrote {args.out}")
         elif args.command == "mcore-to-hf":
-            checkpoint.mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, dtype=args.dtype,
-                                   max_shard_bytes=_size(args.max_shard_size))
+            convert.mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, dtype=args.dtype,
+                                max_shard_bytes=_size(args.max_shard_size))
             print(f"wrote {args.out}")
         else:
-            result = checkpoint.verify(args.hf, args.mcore, _parallel(args))
+            result = convert.verify(args.hf, args.mcore, _parallel(args))
             tolerance = args.tolerance or (1e-4 if result["dtype"] == "fp32" else 5e-2)
             ok = result["max_abs_diff"] <= tolerance
             print(f"max |logit diff| {result['max_abs_diff']:.3e}  cosine {result['cosine']:.8f}  "

@@ -1,4 +1,5 @@
-"""HF `config.json` -> Megatron-Core `TransformerConfig` and `GPTModel` arguments."""
+"""HF `config.json` -> Megatron-Core `TransformerConfig` and `GPTModel` arguments, and the
+checks of a parallel layout against the model (`validate_layout_for_model`)."""
 
 from __future__ import annotations
 
