@@ -1,6 +1,6 @@
-"""Advantage estimators (GiGPO and siblings), policy losses and KL control: pure functions on arrays."""
+"""Advantage estimators (GiGPO and siblings), policy losses and the KL loss: pure functions on arrays."""
 
-from megatron_agent.algorithms.config import AlgorithmConfig
+from megatron_agent.algorithms.algorithm_config import AlgorithmConfig
 from megatron_agent.algorithms.dynamic_sampling import enough_groups, filter_zero_variance_groups
 from megatron_agent.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
@@ -16,7 +16,6 @@ from megatron_agent.algorithms.estimators import (
     rloo_advantages,
 )
 from megatron_agent.algorithms.gigpo import anchor_key, gigpo_advantages, step_discounted_returns
-from megatron_agent.algorithms.kl_control import KLController, kl_reward_penalty, make_kl_controller
 from megatron_agent.algorithms.losses import (
     AGG_MODES,
     POLICY_LOSSES,
@@ -37,7 +36,6 @@ __all__ = [
     "POLICY_LOSSES",
     "Advantages",
     "AlgorithmConfig",
-    "KLController",
     "StepSamples",
     "actor_loss",
     "aggregate_loss",
@@ -55,8 +53,6 @@ __all__ = [
     "gspo_loss",
     "kl_loss",
     "kl_penalty",
-    "kl_reward_penalty",
-    "make_kl_controller",
     "ppo_clip_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",

@@ -37,7 +37,7 @@ from megatron_agent.algorithms.segments import (
 )
 
 if TYPE_CHECKING:
-    from megatron_agent.algorithms.config import AlgorithmConfig
+    from megatron_agent.algorithms.algorithm_config import AlgorithmConfig
 
 
 @dataclass
@@ -52,7 +52,7 @@ class StepSamples:
     anchors: Any = None  # GiGPO only
     is_action_valid: Any = None  # None: every action parsed
     is_padding: Any = None
-    reward_penalty: Any = None  # e.g. coef * KL in the reward; enters like the invalid-action penalty
+    reward_penalty: Any = None  # any per-sample cost; enters like the invalid-action penalty
     values: Any = None  # critic values, GAE only
     final_values: Any = None  # value after a trajectory's last step (0 = terminal), GAE only
 

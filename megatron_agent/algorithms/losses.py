@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from megatron_agent.algorithms.config import AlgorithmConfig
+    from megatron_agent.algorithms.algorithm_config import AlgorithmConfig
 
 Metrics = dict[str, torch.Tensor]
 
@@ -295,9 +295,9 @@ def actor_loss(
         tis_cap=config.tis_cap,
         **agg,
     )
-    if config.use_kl_loss:
+    if config.kl_loss_active:
         if ref_logprobs is None:
-            raise ValueError("use_kl_loss needs ref_logprobs")
+            raise ValueError("the KL loss (use_kl_loss with kl_loss_coef > 0) needs ref_logprobs")
         kl, kl_metrics = kl_loss(logprobs, ref_logprobs, response_mask, kind=config.kl_loss_type, **agg)
         loss = loss + config.kl_loss_coef * kl
         metrics.update(kl_metrics)

@@ -29,8 +29,8 @@ from megatron_agent.algorithms import AlgorithmConfig, actor_loss
 from megatron_agent.models.bridge import export_hf_weights, load_hf_weights
 from megatron_agent.models.builder import build_model
 from megatron_agent.models.checkpoint import DTYPES, copy_hf_side_files, model_state, read_mcore_metadata
-from megatron_agent.models.config import read_hf_config
 from megatron_agent.models.families import family_of
+from megatron_agent.models.transformer_config import read_hf_config
 from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.batch import TrainBatch, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_entropy, token_logprobs
@@ -132,9 +132,8 @@ class Actor:
         return chunks
 
     def _build_reference(self, build: dict) -> list | None:
-        """A frozen copy of the initial policy, when a KL term needs one."""
-        algorithm = self.algorithm
-        if not ((algorithm.use_kl_loss and algorithm.kl_loss_coef > 0) or algorithm.use_kl_in_reward):
+        """A frozen copy of the initial policy, when the KL loss needs one."""
+        if not self.algorithm.kl_loss_active:
             return None
         reference = build_model(self.hf, self.parallel, **build)
         load_hf_weights(reference, self.model_dir)
@@ -187,7 +186,7 @@ class Actor:
         """Per-token logprobs (and entropy) of the batch's targets; [N, L-1] on every rank."""
         chunks = self.reference if reference else self.model
         if chunks is None:
-            raise RuntimeError("no reference model: the algorithm uses no KL term")
+            raise RuntimeError("no reference model: the algorithm uses no KL loss")
         indices = self._local_indices(batch.size)
         logprobs, entropy = {}, {}
 
@@ -236,7 +235,7 @@ class Actor:
     def _prepare_update(self, batch: TrainBatch) -> None:
         if batch.advantages is None:
             raise ValueError("update needs batch.advantages")
-        if self.reference is not None and batch.ref_logprobs is None and self.algorithm.use_kl_loss:
+        if self.reference is not None and batch.ref_logprobs is None:
             batch.ref_logprobs = self.compute_logprobs(batch, reference=True, with_entropy=False)["logprobs"]
         if batch.old_logprobs is None and (self.config.ppo_epochs > 1 or self.config.num_mini_batches > 1):
             raise ValueError("several epochs or mini-batches need batch.old_logprobs (compute_logprobs first)")

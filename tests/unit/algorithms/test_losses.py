@@ -191,6 +191,19 @@ def test_actor_loss_combines_terms_by_name():
         actor_loss(cfg, logp, old, ADV, MASK)
 
 
+def test_kl_loss_with_zero_coefficient_needs_no_reference():
+    # kl_loss_coef 0 is no KL loss: the actor builds no reference model, so none is asked for.
+    logp, old = _ratio_inputs()
+    cfg = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.0, entropy_coef=0.0)
+    assert not cfg.kl_loss_active
+    assert AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01).kl_loss_active
+    assert not AlgorithmConfig(use_kl_loss=False, kl_loss_coef=0.01).kl_loss_active
+    loss, m = actor_loss(cfg, logp, old, ADV, MASK)
+    pg, _ = ppo_clip_loss(logp, old, ADV, MASK, dual_clip_c=3.0)
+    assert loss.item() == pytest.approx(pg.item())
+    assert "kl_loss" not in m
+
+
 # --- gradients against a direct, slow formulation ------------------------------------------
 
 

@@ -1,4 +1,9 @@
-"""The algorithm section of the training config (Hydra fills it; ``validate`` checks it)."""
+"""The algorithm section of the training config (Hydra fills it; ``validate`` checks it).
+
+``validate`` reads the names of the estimators, losses and modes from the modules that
+implement them; those modules name ``AlgorithmConfig`` in annotations only (under
+``TYPE_CHECKING``), so the imports run one way: this module -> estimators, gigpo, losses.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,6 @@ from dataclasses import dataclass
 from megatron_agent.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from megatron_agent.algorithms.gigpo import EPISODE_STATS, NORM_MODES
 from megatron_agent.algorithms.losses import AGG_MODES, KL_ALIASES, POLICY_LOSSES
-
-KL_CONTROLLERS = ("fixed", "adaptive")
 
 
 @dataclass
@@ -36,21 +39,21 @@ class AlgorithmConfig:
     loss_norm_length: int | None = None  # seq-mean-token-sum-norm constant; None: padded length
     tis_cap: float | None = None  # truncated importance sampling, e.g. 2.0
     entropy_coef: float = 0.001
-    # KL to the reference policy
+    # KL to the reference policy, a loss term (see kl_loss_active)
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.01
     kl_loss_type: str = "k3"  # k1 | abs | k2 | k3 (aliases kl, mse, low_var_kl)
-    use_kl_in_reward: bool = False
-    kl_reward_type: str = "k1"
-    kl_reward_coef: float = 0.001
-    kl_controller: str = "fixed"  # fixed | adaptive
-    kl_target: float = 0.1
-    kl_horizon: int = 10000
     # critic (gae)
     value_clip: float | None = 0.5
     # DAPO dynamic sampling
     dynamic_sampling: bool = False
     dynamic_sampling_max_tries: int = 10
+
+    @property
+    def kl_loss_active(self) -> bool:
+        """Whether the actor loss has a KL term (``use_kl_loss`` and ``kl_loss_coef > 0``): only
+        then does it need reference logprobs, and only then does the actor build a reference model."""
+        return self.use_kl_loss and self.kl_loss_coef > 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that holds an impossible value."""
@@ -60,8 +63,6 @@ class AlgorithmConfig:
         _one_of("episode_stats", self.episode_stats, EPISODE_STATS)
         _one_of("loss_agg_mode", self.loss_agg_mode, AGG_MODES)
         _one_of("kl_loss_type", self.kl_loss_type, tuple(KL_ALIASES))
-        _one_of("kl_reward_type", self.kl_reward_type, tuple(KL_ALIASES))
-        _one_of("kl_controller", self.kl_controller, KL_CONTROLLERS)
         _in_range("gamma", self.gamma, 0.0, 1.0)
         _in_range("gae_lambda", self.gae_lambda, 0.0, 1.0)
         _positive("adv_eps", self.adv_eps)
@@ -79,9 +80,6 @@ class AlgorithmConfig:
             _positive("tis_cap", self.tis_cap)
         _in_range("entropy_coef", self.entropy_coef, 0.0, math.inf)
         _in_range("kl_loss_coef", self.kl_loss_coef, 0.0, math.inf)
-        _in_range("kl_reward_coef", self.kl_reward_coef, 0.0, math.inf)
-        _positive("kl_target", self.kl_target)
-        _positive("kl_horizon", self.kl_horizon)
         if self.value_clip is not None:
             _positive("value_clip", self.value_clip)
         _positive("dynamic_sampling_max_tries", self.dynamic_sampling_max_tries)

@@ -1,50 +1,11 @@
-"""KL-in-reward controllers, dynamic sampling and config validation."""
+"""Dynamic sampling and config validation."""
 
 import math
 
 import numpy as np
 import pytest
-import torch
 
-from megatron_agent.algorithms import (
-    AlgorithmConfig,
-    KLController,
-    enough_groups,
-    filter_zero_variance_groups,
-    kl_reward_penalty,
-    make_kl_controller,
-)
-
-
-def test_fixed_controller_never_moves():
-    ctrl = make_kl_controller(AlgorithmConfig(kl_reward_coef=0.05))
-    ctrl.update(current_kl=10.0, n_steps=1000)
-    assert ctrl.value == 0.05 and not ctrl.adaptive
-
-
-def test_adaptive_controller_by_hand():
-    # target .1, horizon 100. KL .2: error clip(2 - 1) = .2 -> beta *= 1 + .2 * 10/100 = 1.02.
-    ctrl = make_kl_controller(
-        AlgorithmConfig(kl_controller="adaptive", kl_reward_coef=0.1, kl_target=0.1, kl_horizon=100)
-    )
-    ctrl.update(0.2, 10)
-    assert ctrl.value == pytest.approx(0.102)
-    # KL .05: error clip(.5 - 1) = -.2 -> *0.98.  KL .11: error .1 -> *1.01.
-    ctrl.update(0.05, 10)
-    assert ctrl.value == pytest.approx(0.102 * 0.98)
-    ctrl.update(0.11, 10)
-    assert ctrl.value == pytest.approx(0.102 * 0.98 * 1.01)
-    assert KLController(1.0, adaptive=True, target=0.1, horizon=1).value == 1.0
-
-
-def test_kl_reward_penalty_by_hand():
-    # k1 per token: [1, -.5, (masked 9)] and [2, 2, 2]; coef .1 -> penalties .1 * .5 and .1 * 6.
-    logp = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    ref = torch.tensor([[-1.0, 0.5, -9.0], [-2.0, -2.0, -2.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    penalty, batch_kl = kl_reward_penalty(logp, ref, mask, coef=0.1, kind="k1")
-    np.testing.assert_allclose(penalty, [0.05, 0.6])
-    assert batch_kl == pytest.approx((0.25 + 2.0) / 2)  # mean over samples of token-mean KL
+from megatron_agent.algorithms import AlgorithmConfig, enough_groups, filter_zero_variance_groups
 
 
 def test_dynamic_sampling_drops_zero_variance_groups():
@@ -82,8 +43,6 @@ def test_config_defaults_validate():
         ("episode_stats", "per_group"),
         ("loss_agg_mode", "sum"),
         ("kl_loss_type", "k4"),
-        ("kl_reward_type", "full"),
-        ("kl_controller", "pid"),
         ("gamma", 1.5),
         ("gae_lambda", -0.1),
         ("adv_eps", 0.0),
@@ -97,9 +56,6 @@ def test_config_defaults_validate():
         ("tis_cap", -2.0),
         ("entropy_coef", math.nan),
         ("kl_loss_coef", -1.0),
-        ("kl_reward_coef", math.inf),
-        ("kl_target", 0.0),
-        ("kl_horizon", 0),
         ("value_clip", 0.0),
         ("dynamic_sampling_max_tries", 0),
     ],
