@@ -26,10 +26,11 @@ def overhead(model_dir, args) -> None:
     from transformers import AutoTokenizer
 
     from envs import EnvManager
-    from rollout.agent_loop import run_rollout
-    from rollout.config import AgentLoopConfig, PromptConfig, SamplingConfig
+    from rollout.agent_loop import AgentLoopConfig, run_rollout
     from rollout.engine_client import EngineClient
     from rollout.engine_launch import launch_engines, stop_engines
+    from rollout.prompts import PromptConfig
+    from rollout.sampling import SamplingConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cfg = AgentLoopConfig(max_steps=15, prompt=PromptConfig(history_length=2),
@@ -64,9 +65,10 @@ def overhead(model_dir, args) -> None:
 def throughput(model_dir, args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.embedded_engine import Engine, generate
+    from rollout.embedded_engine import Engine
     from rollout.engine_client import EngineClient
     from rollout.engine_launch import launch_engines, stop_engines
+    from rollout.engine_server import generate
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -134,6 +134,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
+    import megatron_agent.weight_sync as weight_sync
     import rollout.weight_group as weight_group
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.models.tiny import write_tiny_model
@@ -191,7 +192,7 @@ def main() -> None:
 
         # The syncs, with the pieces of send_weights clocked.
         clock = Clock()
-        clock.wrap(weight_group, "send_weights", "send")
+        clock.wrap(weight_sync, "send_weights", "send")
         clock.wrap(weight_group, "flatten_bucket", "flatten")
         clock.wrap(dist, "broadcast", "broadcast")
         for method in ("pause_generation", "flush_cache", "begin_weight_update", "end_weight_update",

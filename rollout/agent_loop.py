@@ -1,7 +1,7 @@
 """The step-independent agent loop: every step's prompt is built on its own.
 
     result = run_rollout(envs, engine, tokenizer, config, seeds)
-    batch = collate(result.samples)            # -> batch.step_samples() for the estimators
+    result.samples                             # one StepSample per (trajectory, step)
 
 For each env group: reset with the group's seed; then, each step, every *active* copy
 gets a prompt (instructions + its memory's history + current observation, see
@@ -27,10 +27,31 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rollout.config import AgentLoopConfig, SamplingConfig
 from rollout.memory import Memory, StepRecord, memory_factory
-from rollout.prompts import build_prompt
+from rollout.prompts import PromptConfig, build_prompt
 from rollout.samples import StepSample
+from rollout.sampling import SamplingConfig
+
+
+@dataclass
+class ValidationConfig:
+    num_episodes: int = 16  # groups of size 1, seeds envs.validation_seed(0..n-1)
+    first_seed_index: int = 0
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+
+
+@dataclass
+class AgentLoopConfig:
+    max_steps: int = 15
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    # Overlap env stepping of one env manager (a slot of groups) with generation for
+    # another. Results equal a synchronous run with the same seeds (tested), so it is on.
+    async_slots: bool = True
+    # Episodes whose env copy broke (info["failed"]) are not the policy's doing: their
+    # samples are dropped and counted in metrics.
+    drop_failed_episodes: bool = True
 
 
 @dataclass
@@ -112,13 +133,16 @@ def run_rollout(
     *,
     sampling: SamplingConfig | None = None,
     rollout_index: int = 0,
+    first_group: int = 0,
     make_memory: Callable[[], Memory] | None = None,
 ) -> RolloutResult:
     """Play one episode per env copy and return one StepSample per (trajectory, step).
 
     envs: an EnvManager, or a list of them (slots); `seeds` has one seed per group over
     all slots, in order. engine: anything with EngineClient's `generate`. rollout_index:
-    mixed into the sampling seeds (pass the iteration, so iterations differ).
+    mixed into the sampling seeds (pass the iteration, so iterations differ). first_group:
+    the group id of the first group (group and trajectory ids count on from it, so the
+    samples of several rollouts of one batch stay apart).
     """
     slots_envs = list(envs) if isinstance(envs, list | tuple) else [envs]
     sampling = sampling or config.sampling
@@ -127,7 +151,7 @@ def run_rollout(
         raise ValueError(f"{len(seeds)} seeds for {sum(e.num_groups for e in slots_envs)} groups")
     slots, offset = [], 0
     for e in slots_envs:
-        slots.append(_Slot(e, seeds[offset:offset + e.num_groups], offset, make_memory))
+        slots.append(_Slot(e, seeds[offset:offset + e.num_groups], first_group + offset, make_memory))
         offset += e.num_groups
 
     timeline = Timeline()

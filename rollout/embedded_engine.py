@@ -1,79 +1,79 @@
-"""The embedded CPU engine: an HF model behind SGLang's HTTP protocol (the subset we use).
+"""The embedded CPU engine's core, without HTTP (`rollout/engine_server.py` serves it).
 
-    python -m rollout.embedded_engine --model DIR --port 30000 [--host 127.0.0.1]
-
-Generation: requests that arrive while a batch runs are queued and batched together
-(up to --max-batch-size); a batch is left-padded, prefilled once, then decoded token by
-token with a KV cache; finished rows are dropped from the cache as they finish.
-
-Logprobs (`meta_info.output_token_logprobs`): the log-probability of each output token
-under the distribution it was sampled from, log_softmax(logits / temperature), taken
-*before* top-k / top-p truncation; for greedy (temperature 0), log_softmax(logits).
-Sampling is seedable per request with `sampling_params.sampling_seed`.
-
-Endpoints: POST /generate, GET /health, GET /health_generate, GET /model_info
-(/get_model_info), GET /weight_version, POST /init_weights_update_group,
-/destroy_weights_update_group, /begin_weight_update, /end_weight_update,
-/update_weights_from_distributed (per-tensor or load_format "flattened_bucket"),
-/update_weights_from_disk, /update_weight_version, /pause_generation,
-/continue_generation, /flush_cache (no prefix cache is kept; always succeeds).
-
-Bound to 127.0.0.1 by default. Bound anywhere else, it needs a token (--auth-token or
-MEGATRON_AGENT_ENGINE_TOKEN), and every weight-changing or control call must carry
-`Authorization: Bearer <token>` (401 otherwise).
+Generation: requests that arrive while a batch runs are queued and batched together (up
+to `max_batch_size`); a batch is left-padded, prefilled once, then decoded token by token
+with a KV cache; finished rows are dropped from the cache as they finish. Logprobs: each
+output token's log-probability under the distribution it was sampled from,
+log_softmax(logits / temperature), *before* top-k / top-p truncation (greedy:
+log_softmax(logits)). Sampling is seedable per request (`SamplingParams.sampling_seed`).
+Invalid requests raise `BadRequest`.
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import logging
-import os
 import queue
-import re
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from rollout.engine_weights import receive_tensors, weight_view
 from rollout.weight_group import (
     destroy_weight_update_group,
     dtype_from_name,
     init_weight_update_group,
-    unflatten_bucket,
     weight_checksum,
 )
 
 log = logging.getLogger("rollout.embedded_engine")
 
-TOKEN_ENV = "MEGATRON_AGENT_ENGINE_TOKEN"
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-# Calls that change the weights or stop generation: token-protected off localhost.
-CONTROL_PATHS = frozenset({
-    "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-    "/end_weight_update", "/update_weights_from_distributed", "/update_weights_from_disk",
-    "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache",
-})
-
-
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+DEFAULT_GROUP = "weight_update_group"
+_ABORT_MESSAGE = "generation paused with mode=abort"
 
 
 class BadRequest(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling (SGLang's `sampling_params`, parsed)."""
+
+    temperature: float = 1.0  # <= 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None  # None: a fresh random seed
+
+
+@dataclass
+class Completion:
+    """One finished request."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    logprobs: list[float]  # one per output token
+    finish_reason: dict  # {"type": "stop"|"length"|"abort", ...} as SGLang reports it
+    prompt_tokens: int
+    weight_version: str
+
+
 @dataclass
 class Request:
     input_ids: list[int]
-    params: dict
+    params: SamplingParams
     rid: str
     done: threading.Event = field(default_factory=threading.Event)
-    result: dict | None = None
+    result: Completion | None = None
+    error: str | None = None  # the worker's traceback when the batch failed
 
 
 @dataclass
@@ -116,8 +116,7 @@ def pick_token(logits: torch.Tensor, row: _Row) -> tuple[int, float]:
 class Engine:
     """The model, the request queue and the batching worker; no HTTP."""
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
-                 ):
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -143,7 +142,7 @@ class Engine:
         self.worker.start()
 
     # -- generation --------------------------------------------------------------------
-    def submit(self, input_ids: list[int], params: dict, rid: str) -> Request:
+    def submit(self, input_ids: list[int], params: SamplingParams, rid: str) -> Request:
         if not input_ids:
             raise BadRequest("input_ids is empty")
         vocab = self.model.get_input_embeddings().weight.shape[0]
@@ -152,6 +151,23 @@ class Engine:
         req = Request(list(map(int, input_ids)), params, rid)
         self.queue.put(req)
         return req
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]) -> list[Completion]:
+        """Queue one request per prompt and wait for them all (they batch with others)."""
+        if not (len(params) == len(rids) == len(prompts)):
+            raise BadRequest("input_ids, sampling_params and rid differ in length")
+        reqs = [self.submit(p, sp, rid) for p, sp, rid in zip(prompts, params, rids)]
+        results = []
+        for req in reqs:
+            req.done.wait()
+            if req.error is not None:
+                raise RuntimeError(req.error)
+            results.append(req.result)
+        return results
+
+    def health_generate(self) -> None:
+        """Generate one greedy token (a check that the worker runs)."""
+        self.submit([self.pad_id], SamplingParams(temperature=0.0, max_new_tokens=1), "health").done.wait()
 
     def _serve(self) -> None:
         while True:
@@ -168,7 +184,7 @@ class Engine:
                 log.error("generation failed:\n%s", err)
                 for r in batch:
                     if not r.done.is_set():
-                        r.result = {"error": err}
+                        r.error = err
                         r.done.set()
 
     def _wait_unpaused(self, epoch: int) -> bool:
@@ -180,19 +196,15 @@ class Engine:
 
     def _make_row(self, req: Request) -> _Row:
         p = req.params
-        temperature = float(p.get("temperature", 1.0))
         generator = None
-        if temperature > 0:
+        if p.temperature > 0:
             generator = torch.Generator()
-            seed = p.get("sampling_seed")
-            generator.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,))))
-        stop = p.get("stop") or []
-        stop_ids = set(map(int, p.get("stop_token_ids") or []))
-        if not p.get("ignore_eos", False):
+            seed = p.sampling_seed
+            generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
             stop_ids |= self.eos_ids
-        return _Row(req, temperature, float(p.get("top_p", 1.0)), int(p.get("top_k", -1) or -1),
-                    int(p.get("max_new_tokens", 128)), [stop] if isinstance(stop, str) else list(stop),
-                    stop_ids, generator)
+        return _Row(req, p.temperature, p.top_p, p.top_k, p.max_new_tokens, list(p.stop), stop_ids, generator)
 
     def _check_finish(self, row: _Row, tok: int) -> None:
         if tok in row.stop_ids:
@@ -250,7 +262,7 @@ class Engine:
                 return
             if self._wait_unpaused(epoch):
                 for j in keep:
-                    rows[active[j]].finish = {"type": "abort", "message": "generation paused with mode=abort"}
+                    rows[active[j]].finish = {"type": "abort", "message": _ABORT_MESSAGE}
                     self._finish(rows[active[j]], rows[active[j]].req)
                 return
             if len(keep) < len(active):
@@ -267,20 +279,12 @@ class Engine:
             next_pos = next_pos + 1
 
     def _finish(self, row: _Row, req: Request) -> None:
-        skip = bool(req.params.get("skip_special_tokens", True))
-        req.result = {
-            "text": self.tokenizer.decode(row.out_ids, skip_special_tokens=skip),
-            "output_ids": row.out_ids,
-            "meta_info": {
-                "id": req.rid,
-                "finish_reason": row.finish,
-                "prompt_tokens": len(req.input_ids),
-                "completion_tokens": len(row.out_ids),
-                "cached_tokens": 0,
-                "weight_version": self.weight_version,
-                "output_token_logprobs": [[lp, t, None] for lp, t in zip(row.logprobs, row.out_ids)],
-            },
-        }
+        req.result = Completion(
+            rid=req.rid,
+            text=self.tokenizer.decode(row.out_ids, skip_special_tokens=req.params.skip_special_tokens),
+            output_ids=row.out_ids, logprobs=row.logprobs, finish_reason=row.finish,
+            prompt_tokens=len(req.input_ids), weight_version=self.weight_version,
+        )
         req.done.set()
 
     # -- control -----------------------------------------------------------------------
@@ -305,72 +309,63 @@ class Engine:
             self.pause_cv.notify_all()
 
     # -- weights -----------------------------------------------------------------------
-    def init_group(self, body: dict) -> None:
-        name = body.get("group_name", "weight_update_group")
-        if name in self.groups:
-            raise BadRequest(f"group {name!r} exists; destroy it first")
-        self.groups[name] = init_weight_update_group(
-            body["master_address"], int(body["master_port"]), int(body.get("rank_offset", 1)),
-            int(body["world_size"]), name, body.get("backend", "nccl"),
-            float(body.get("timeout_s", 300)),
-        )
+    def begin_weight_update(self) -> None:
+        self.in_update = True
 
-    def destroy_group(self, body: dict) -> None:
-        name = body.get("group_name", "weight_update_group")
-        pg = self.groups.pop(name, None)
+    def end_weight_update(self) -> None:
+        self.in_update = False
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    def init_group(self, master_address: str, master_port: int, world_size: int, *, rank_offset: int = 1,
+                   group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float = 300.0) -> None:
+        """Join the trainer's weight-update group as ranks rank_offset... (rank 0 sends)."""
+        if group_name in self.groups:
+            raise BadRequest(f"group {group_name!r} exists; destroy it first")
+        self.groups[group_name] = init_weight_update_group(master_address, master_port, rank_offset, world_size,
+                                                           group_name, backend, timeout_s)
+
+    def destroy_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        pg = self.groups.pop(group_name, None)
         if pg is None:
-            raise BadRequest(f"no weight update group {name!r}")
+            raise BadRequest(f"no weight update group {group_name!r}")
         destroy_weight_update_group(pg)
 
-    def update_from_distributed(self, body: dict) -> None:
+    def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                group_name: str = DEFAULT_GROUP, load_format: str | None = None,
+                                weight_version: str | None = None) -> None:
+        """Receive one announced bucket by broadcast from rank 0 (one uint8 tensor for
+        load_format "flattened_bucket", else one broadcast per tensor) and load it."""
         if not self.in_update:
             raise BadRequest("update_weights_from_distributed outside begin_weight_update/end_weight_update")
-        name = body.get("group_name", "weight_update_group")
-        pg = self.groups.get(name)
+        pg = self.groups.get(group_name)
         if pg is None:
-            raise BadRequest(f"no weight update group {name!r}")
-        names, shapes = list(body["names"]), [list(s) for s in body["shapes"]]
-        dtypes = [dtype_from_name(d) for d in body["dtypes"]]
-        if not (len(names) == len(shapes) == len(dtypes)):
+            raise BadRequest(f"no weight update group {group_name!r}")
+        torch_dtypes = [dtype_from_name(d) for d in dtypes]
+        if not (len(names) == len(shapes) == len(torch_dtypes)):
             raise BadRequest("names, dtypes and shapes differ in length")
-        if body.get("load_format") == "flattened_bucket":
-            nbytes = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size()
-                         for s, d in zip(shapes, dtypes))
-            bucket = torch.empty(nbytes, dtype=torch.uint8)
-            torch.distributed.broadcast(bucket, src=0, group=pg)
-            tensors = unflatten_bucket(bucket, dtypes, shapes)
-        elif body.get("load_format") in (None, "direct"):
-            tensors = []
-            for shape, dtype in zip(shapes, dtypes):
-                t = torch.empty(shape, dtype=dtype)
-                torch.distributed.broadcast(t, src=0, group=pg)
-                tensors.append(t)
-        else:
-            raise BadRequest(f"load_format={body.get('load_format')!r}; use null or 'flattened_bucket'")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise BadRequest(f"load_format={load_format!r}; use null or 'flattened_bucket'")
+        tensors = receive_tensors(pg, torch_dtypes, shapes, flattened=load_format == "flattened_bucket")
         self.load_weights(list(zip(names, tensors)))  # received first, so the sender never hangs
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if not self.in_update:
+            raise BadRequest("update_weights_from_disk outside begin_weight_update/end_weight_update")
+        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.load_weights(list(fresh.state_dict().items()))
+        self.model_path = model_path
+        if weight_version is not None:
+            self.weight_version = weight_version
 
     def weight_view(self, name: str) -> torch.Tensor | None:
-        """The model tensor a checkpoint-format HF name refers to (None if none does).
-
-        transformers >= 5 keeps MoE experts fused in memory (`experts.gate_up_proj`
-        [E, 2F, H], `experts.down_proj` [E, H, F]) while checkpoints, SGLang and the
-        trainer's export use one tensor per expert: map those names to slices."""
-        state = self.model.state_dict()  # tied weights appear under both names, one storage
-        if name in state:
-            return state[name]
-        m = _EXPERT_NAME.match(name)
-        if m is None:
-            return None
-        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-        if proj == "down_proj" and f"{prefix}.down_proj" in state:
-            return state[f"{prefix}.down_proj"][expert]
-        fused = state.get(f"{prefix}.gate_up_proj")
-        if fused is None:
-            return None
-        gate, up = fused[expert].chunk(2, dim=0)
-        return gate if proj == "gate_proj" else up
+        """The model tensor a checkpoint-format HF name refers to (None if none does)."""
+        return weight_view(self.model.state_dict(), name)
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         views = {n: self.weight_view(n) for n, _ in named}
@@ -384,15 +379,13 @@ class Engine:
             for n, t in named:
                 views[n].copy_(t)
 
-    def update_from_disk(self, body: dict) -> None:
-        from transformers import AutoModelForCausalLM
-
-        path = body["model_path"]
-        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
-        self.load_weights(list(fresh.state_dict().items()))
-        self.model_path = path
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+    def weight_checksums(self, names: list[str]) -> dict[str, float]:
+        """`weight_group.weight_checksum` of each named tensor (the weight-sync check)."""
+        views = {n: self.weight_view(n) for n in names}
+        missing = [n for n, v in views.items() if v is None]
+        if missing:
+            raise BadRequest(f"unknown weight names {missing[:5]}")
+        return {n: weight_checksum(v) for n, v in views.items()}
 
     def model_info(self) -> dict:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
@@ -401,163 +394,4 @@ class Engine:
 
 
 def _make_aborted(req: Request) -> _Row:
-    return _Row(req, 0.0, 1.0, -1, 0, [], set(), None,
-                finish={"type": "abort", "message": "generation paused with mode=abort"})
-
-
-def make_handler(engine: Engine, token: str | None):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):  # the default logs every request to stderr
-            log.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, code: int, payload) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _body(self) -> dict:
-            n = int(self.headers.get("Content-Length") or 0)
-            if not n:
-                return {}
-            try:
-                return json.loads(self.rfile.read(n))
-            except json.JSONDecodeError as e:
-                raise BadRequest(f"body is not JSON: {e}") from None
-
-        def do_GET(self):
-            self._dispatch(get=True)
-
-        def do_POST(self):
-            self._dispatch(get=False)
-
-        def _dispatch(self, get: bool) -> None:
-            path = self.path.split("?")[0]
-            try:
-                body = {} if get else self._body()
-                if token is not None and path in CONTROL_PATHS:
-                    if self.headers.get("Authorization") != f"Bearer {token}":
-                        return self._send(401, {"success": False, "message": "missing or wrong token"})
-                self._route(path, body)
-            except BadRequest as e:
-                self._send(400, {"success": False, "message": str(e)})
-            except KeyError as e:
-                self._send(400, {"success": False, "message": f"missing field {e}"})
-            except Exception as e:
-                log.error("%s failed:\n%s", path, traceback.format_exc())
-                self._send(500, {"success": False, "message": f"{type(e).__name__}: {e}"})
-
-        def _route(self, path: str, body: dict) -> None:
-            ok = {"success": True, "message": "ok"}
-            if path == "/generate":
-                return self._send(200, generate(engine, body))
-            if path == "/health":
-                return self._send(200, {})
-            if path == "/health_generate":
-                engine.submit([engine.pad_id], {"max_new_tokens": 1, "temperature": 0}, "health").done.wait()
-                return self._send(200, {})
-            if path in ("/model_info", "/get_model_info"):
-                return self._send(200, engine.model_info())
-            if path in ("/weight_version", "/get_weight_version"):
-                return self._send(200, {"weight_version": engine.weight_version})
-            if path == "/init_weights_update_group":
-                engine.init_group(body)
-                return self._send(200, ok)
-            if path == "/destroy_weights_update_group":
-                engine.destroy_group(body)
-                return self._send(200, ok)
-            if path == "/begin_weight_update":
-                engine.in_update = True
-                return self._send(200, ok)
-            if path == "/end_weight_update":
-                engine.in_update = False
-                return self._send(200, ok)
-            if path == "/update_weights_from_distributed":
-                engine.update_from_distributed(body)
-                return self._send(200, {**ok, "weight_version": engine.weight_version})
-            if path == "/update_weights_from_disk":
-                if not engine.in_update:
-                    raise BadRequest("update_weights_from_disk outside begin_weight_update/end_weight_update")
-                engine.update_from_disk(body)
-                return self._send(200, {**ok, "weight_version": engine.weight_version})
-            if path == "/weights_checksum":  # not in SGLang: the weight-sync check mode
-                views = {n: engine.weight_view(n) for n in body["names"]}
-                missing = [n for n, v in views.items() if v is None]
-                if missing:
-                    raise BadRequest(f"unknown weight names {missing[:5]}")
-                return self._send(200, {"checksums": {n: weight_checksum(v) for n, v in views.items()}})
-            if path == "/update_weight_version":
-                engine.weight_version = str(body["new_version"])
-                return self._send(200, ok)
-            if path == "/pause_generation":
-                engine.pause(body.get("mode", "abort"))
-                return self._send(200, ok)
-            if path == "/continue_generation":
-                engine.resume()
-                return self._send(200, ok)
-            if path == "/flush_cache":
-                return self._send(200, ok)
-            self._send(404, {"success": False, "message": f"no endpoint {path}"})
-
-    return Handler
-
-
-def generate(engine: Engine, body: dict):
-    """SGLang's /generate: one prompt -> one object, a batch -> a list."""
-    input_ids = body.get("input_ids")
-    if input_ids is None:
-        raise BadRequest("the embedded engine takes input_ids (no text prompts)")
-    single = bool(input_ids) and isinstance(input_ids[0], int)
-    prompts = [input_ids] if single else input_ids
-    params = body.get("sampling_params") or {}
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    rids = body.get("rid")
-    rids = [rids] if isinstance(rids, str) else (rids or [f"req-{time.monotonic_ns()}-{i}" for i in range(len(prompts))])
-    if not (len(params) == len(rids) == len(prompts)):
-        raise BadRequest("input_ids, sampling_params and rid differ in length")
-    reqs = [engine.submit(p, sp, rid) for p, sp, rid in zip(prompts, params, rids)]
-    results = []
-    for req in reqs:
-        req.done.wait()
-        if "error" in req.result:
-            raise RuntimeError(req.result["error"])
-        result = dict(req.result)
-        if not body.get("return_logprob", False):
-            result["meta_info"] = {k: v for k, v in result["meta_info"].items() if k != "output_token_logprobs"}
-        results.append(result)
-    return results[0] if single else results
-
-
-def serve(model: str, host: str = "127.0.0.1", port: int = 30000, *, token: str | None = None,
-          threads: int = 1, max_batch_size: int = 256, dtype: str = "float32") -> None:
-    if host not in LOCAL_HOSTS and not token:
-        raise SystemExit(f"binding to {host} needs a token: pass --auth-token or set {TOKEN_ENV}")
-    torch.set_num_threads(threads)
-    engine = Engine(model, dtype=dtype, max_batch_size=max_batch_size)
-    server = ThreadingHTTPServer((host, port), make_handler(engine, token if host not in LOCAL_HOSTS else None))
-    server.daemon_threads = True
-    log.info("embedded engine for %s on http://%s:%d", model, host, port)
-    server.serve_forever()
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="HF model directory")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV))
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--max-batch-size", type=int, default=256)
-    ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(args.model, args.host, args.port, token=args.auth_token, threads=args.threads,
-          max_batch_size=args.max_batch_size, dtype=args.dtype)
-
-
-if __name__ == "__main__":
-    main()
+    return _Row(req, 0.0, 1.0, -1, 0, [], set(), None, finish={"type": "abort", "message": _ABORT_MESSAGE})

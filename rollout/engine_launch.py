@@ -1,4 +1,6 @@
-"""Start and stop embedded engine processes on this machine (tests, the CPU driver)."""
+"""Where generation runs (`EngineConfig`), and starting and stopping engine processes on
+this machine: embedded engines (`python -m rollout.engine_server`; tests, the CPU driver)
+and SGLang servers."""
 
 from __future__ import annotations
 
@@ -10,11 +12,36 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_agent.platform.distributed import die_with_parent
-from rollout.config import EngineConfig
 from rollout.engine_client import EngineClient, http_json
+from rollout.processes import die_with_parent, free_port
 
 _PORT_RETRIES = 3
+
+
+@dataclass
+class EngineConfig:
+    """Where generation runs.
+
+    `urls` empty: the driver starts `num_engines` embedded engine processes on this
+    machine (CPU default). Otherwise the SGLang servers (or one SGLang router URL).
+    """
+
+    urls: tuple[str, ...] = ()
+    num_engines: int = 1
+    host: str = "127.0.0.1"
+    timeout_s: float = 300.0
+    max_attempts: int = 3  # per request, across servers
+    # Sent as `Authorization: Bearer <token>`; engines bound beyond 127.0.0.1 require it on
+    # weight-update calls. None: read MEGATRON_AGENT_ENGINE_TOKEN.
+    auth_token: str | None = None
+    threads_per_engine: int = 1
+    max_batch_size: int = 256
+    dtype: str = "float32"
+    # What the driver starts when `urls` is empty: "embedded" (this project's CPU engine)
+    # or "sglang" (an SGLang server per engine, on `gpus_per_engine` GPUs, placement=ray).
+    server: str = "embedded"
+    gpus_per_engine: int = 0
+    server_args: tuple[str, ...] = ()  # extra command-line flags for each SGLang server
 
 
 @dataclass
@@ -42,20 +69,14 @@ class EngineProcess:
                 self.proc.wait()
 
 
-def _free_port() -> int:
-    from megatron_agent.platform.distributed import free_port
-
-    return free_port()
-
-
 def _start(model_path: str, host: str, threads: int, max_batch_size: int, dtype: str, token: str | None,
            log_dir: Path, index: int) -> tuple[subprocess.Popen, int, Path]:
-    port = _free_port()
+    port = free_port()
     log_path = log_dir / f"engine-{index}-{port}.log"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
     if token:
         env["MEGATRON_AGENT_ENGINE_TOKEN"] = token
-    cmd = [sys.executable, "-m", "rollout.embedded_engine", "--model", str(model_path), "--host", host,
+    cmd = [sys.executable, "-m", "rollout.engine_server", "--model", str(model_path), "--host", host,
            "--port", str(port), "--threads", str(threads), "--max-batch-size", str(max_batch_size),
            "--dtype", dtype]
     with open(log_path, "w") as log:
@@ -134,7 +155,7 @@ def start_sglang_server(config: EngineConfig, model_path: str | Path, log_dir: s
     until it answers /health; the URL names this host as others reach it."""
     import socket
 
-    port = _free_port()
+    port = free_port()
     log_path = Path(log_dir) / f"sglang-{index}-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:

@@ -22,8 +22,25 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from rollout.config import PromptConfig
 from rollout.memory import Memory
+
+
+@dataclass
+class PromptConfig:
+    """What one step's prompt is made of (the layout: this module's docstring)."""
+
+    # "window": the last `history_length` (observation, action) pairs; "summary": a running
+    # digest of the whole episode plus that window; "none": the current observation only.
+    memory: str = "window"
+    history_length: int = 2
+    max_prompt_tokens: int = 1024
+    # The system message is the env's instructions (False: none, for tiny models trained
+    # from scratch, which cannot read them); these wrap the user message ("" leaves a
+    # header out).
+    include_instructions: bool = True
+    history_header: str = "Your previous turns (oldest first):"
+    observation_header: str = "Current observation (step {step}):"
+    action_footer: str = "What is your next action?"
 
 
 class PromptTooLong(ValueError):

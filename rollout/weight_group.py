@@ -1,4 +1,7 @@
-"""The weight-update process group: one function both sides (trainer, engine) call.
+"""What both sides of a weight update share: the weight-update process group, the
+flattened-bucket layout, dtype names and the weight checksum. The trainer's sender is
+megatron_agent/weight_sync; the receivers are the engines (rollout/engine_weights.py,
+SGLang).
 
 SGLang's `/init_weights_update_group` builds its group like this, and so must the
 trainer, or the two never meet: a TCP rendezvous store at master_address:master_port
@@ -109,24 +112,3 @@ def _accepts(param: str) -> bool:
     import inspect
 
     return param in inspect.signature(_new_process_group_helper).parameters
-
-
-def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, torch.Tensor]], group_name: str,
-                 *, weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0) -> list:
-    """The sender's side of one bucket: announce it to every engine over HTTP and
-    broadcast it from rank 0 of `pg` while they wait for it (one flattened uint8 tensor,
-    or one broadcast per tensor in list order). Call between begin/end_weight_update.
-    Only one sender may announce at a time, or engines deadlock."""
-    names = [n for n, _ in named_tensors]
-    tensors = [t.detach().contiguous() for _, t in named_tensors]
-    pending = client.update_weights_from_distributed(
-        names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], group_name,
-        weight_version=weight_version, load_format="flattened_bucket" if flattened else None,
-        timeout_s=timeout_s,
-    )
-    if flattened:
-        dist.broadcast(flatten_bucket(tensors), src=0, group=pg)
-    else:
-        for t in tensors:
-            dist.broadcast(t, src=0, group=pg)
-    return pending.result(timeout=timeout_s)

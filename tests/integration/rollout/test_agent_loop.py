@@ -11,10 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs import EnvManager, validation_seed
-from rollout.agent_loop import run_rollout, run_validation
-from rollout.config import AgentLoopConfig, EngineConfig, PromptConfig, SamplingConfig, ValidationConfig
-from rollout.engine_launch import start_engines, stop_engines
-from rollout.samples import collate
+from megatron_agent.samples import step_columns
+from rollout.agent_loop import AgentLoopConfig, ValidationConfig, run_rollout, run_validation
+from rollout.engine_launch import EngineConfig, start_engines, stop_engines
+from rollout.prompts import PromptConfig
+from rollout.sampling import SamplingConfig
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_episodes_complete_and_logprobs_match_hf(env_name, client, tokenizer, hf
         assert f"rollout/{key}" in m
     assert m["rollout/num_samples"] == len(result.samples)
     assert_logprobs_match_teacher_forcing(result.samples, hf_model, cfg.sampling.temperature)
-    assert len(collate(result.samples)) == len(result.samples)
+    assert len(step_columns(result.samples).group_ids) == len(result.samples)
 
 
 def test_prompts_hold_exactly_the_configured_history(client, tokenizer):

@@ -12,10 +12,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from envs import EnvManager
-from rollout.agent_loop import run_rollout
-from rollout.config import AgentLoopConfig, PromptConfig, SamplingConfig
+from rollout.agent_loop import AgentLoopConfig, run_rollout
 from rollout.engine_client import EngineClient, NoEngineLeft
 from rollout.engine_launch import launch_engines, stop_engines
+from rollout.prompts import PromptConfig
+from rollout.sampling import SamplingConfig
 
 SEEDS = [31, 32, 33, 34]
 

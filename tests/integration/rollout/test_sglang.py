@@ -22,11 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from envs import EnvManager  # noqa: E402
 from megatron_agent.models.tiny import write_tiny_model  # noqa: E402
 from megatron_agent.platform.distributed import free_port  # noqa: E402
-from rollout.agent_loop import run_rollout  # noqa: E402
-from rollout.config import AgentLoopConfig, PromptConfig, SamplingConfig  # noqa: E402
+from megatron_agent.weight_sync import send_weights  # noqa: E402
+from rollout.agent_loop import AgentLoopConfig, run_rollout  # noqa: E402
 from rollout.engine_client import EngineClient  # noqa: E402
 from rollout.engine_launch import EngineProcess, wait_healthy  # noqa: E402
-from rollout.weight_group import destroy_weight_update_group, init_weight_update_group, send_weights  # noqa: E402
+from rollout.prompts import PromptConfig  # noqa: E402
+from rollout.sampling import SamplingConfig  # noqa: E402
+from rollout.weight_group import destroy_weight_update_group, init_weight_update_group  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

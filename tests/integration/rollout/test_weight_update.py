@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_agent.models.tiny import write_tiny_model
 from megatron_agent.platform.distributed import free_port
+from megatron_agent.weight_sync import send_weights
 from rollout.embedded_engine import Engine
 from rollout.engine_client import EngineClient, EngineError
 from rollout.engine_launch import launch_engines, stop_engines
-from rollout.weight_group import destroy_weight_update_group, init_weight_update_group, send_weights
+from rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ PARAMS = [{"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True},
 def reference(model_dir, ps):
     """What an engine started on `model_dir` generates (in process, same code)."""
     ref = Engine(str(model_dir))
-    from rollout.embedded_engine import generate
+    from rollout.engine_server import generate
 
     return generate(ref, {"input_ids": ps, "sampling_params": PARAMS, "return_logprob": True})
 
@@ -144,7 +145,7 @@ def test_off_localhost_weight_calls_need_the_token(old_dir, tmp_path):
     finally:
         stop_engines(started)
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_AGENT_ENGINE_TOKEN"}
-    refused = subprocess.run([sys.executable, "-m", "rollout.embedded_engine", "--model", str(old_dir),
+    refused = subprocess.run([sys.executable, "-m", "rollout.engine_server", "--model", str(old_dir),
                               "--host", "0.0.0.0", "--port", str(free_port())],
                              env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "needs a token" in refused.stderr

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.embedded_engine import BadRequest, Engine, _Row, generate, pick_token
+from rollout.embedded_engine import BadRequest, Engine, _Row, pick_token
+from rollout.engine_server import generate
 from rollout.weight_group import flatten_bucket, unflatten_bucket
 
 

@@ -173,8 +173,7 @@ def test_a_refused_control_call_raises(servers):
 
 
 def test_configured_urls_need_no_local_engines(servers):
-    from rollout.config import EngineConfig
-    from rollout.engine_launch import start_engines
+    from rollout.engine_launch import EngineConfig, start_engines
 
     a, b = servers("ok", "ok")
     client, started = start_engines(EngineConfig(urls=(a.url, b.url + "/"), max_attempts=2))

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from rollout.config import PromptConfig
 from rollout.memory import NoMemory, StepRecord, SummaryMemory, WindowMemory, memory_factory
-from rollout.prompts import PromptTooLong, build_messages, build_prompt, encode_messages
+from rollout.prompts import PromptConfig, PromptTooLong, build_messages, build_prompt, encode_messages
 
 
 def record(t: int, valid: bool = True, action: str | None = None) -> StepRecord:

@@ -1,13 +1,13 @@
-"""Step samples: collation into the estimators' columns, token padding, sampling seeds."""
+"""The agent loop's parts: sampling seeds, episode metrics, the timeline.
+
+(Collating step samples for the trainer: tests/unit/test_samples.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from megatron_agent.algorithms.config import AlgorithmConfig
-from megatron_agent.algorithms.estimators import compute_advantages
 from rollout.agent_loop import Timeline, rollout_metrics, sampling_seed
-from rollout.samples import StepSample, collate
+from rollout.samples import StepSample
 
 
 def sample(group: int, traj: int, step: int, reward: float, ret: float, *, won=False, valid=True, anchor="s"):
@@ -15,35 +15,6 @@ def sample(group: int, traj: int, step: int, reward: float, ret: float, *, won=F
                       reward=reward, episode_return=ret, group_id=group, traj_id=traj, step_index=step,
                       anchor=anchor, is_action_valid=valid, done=won, won=won, env_name="sokoban",
                       task_type="sokoban")
-
-
-def batch():
-    return [sample(0, 0, 0, 0.0, 1.0, anchor="a"), sample(0, 0, 1, 1.0, 1.0, won=True, anchor="b"),
-            sample(0, 1, 0, 0.0, 0.0, anchor="a", valid=False), sample(1, 2, 0, 0.5, 0.5, anchor="c")]
-
-
-def test_collate_gives_the_estimators_columns():
-    b = collate(batch())
-    s = b.step_samples()
-    np.testing.assert_array_equal(s.group_ids, [0, 0, 0, 1])
-    np.testing.assert_array_equal(s.traj_ids, [0, 0, 1, 2])
-    np.testing.assert_array_equal(s.step_index, [0, 1, 0, 0])
-    np.testing.assert_array_equal(s.episode_scores, [1.0, 1.0, 0.0, 0.5])
-    assert list(s.anchors) == ["a", "b", "a", "c"] and s.anchors.dtype == object
-    np.testing.assert_array_equal(s.is_action_valid, [True, True, False, True])
-    assert not s.is_padding.any()
-    for estimator in ("gigpo", "grpo"):
-        adv = compute_advantages(s, AlgorithmConfig(advantage_estimator=estimator)).advantages
-        assert adv.shape == (4,) and np.isfinite(adv).all()
-
-
-def test_padded_tokens_align_logprobs_with_response_positions():
-    t = collate(batch()).padded_tokens(pad_id=0)
-    assert t["input_ids"].shape == (4, 4)
-    np.testing.assert_array_equal(t["input_ids"][0], [1, 7, 8, 0])
-    np.testing.assert_array_equal(t["input_ids"][1], [1, 2, 7, 8])
-    np.testing.assert_array_equal(t["response_mask"][0], [0, 1, 1, 0])
-    np.testing.assert_allclose(t["rollout_logprobs"][0], [0, -0.5, -0.25, 0])
 
 
 def test_sampling_seeds_depend_on_what_not_when():
