@@ -29,8 +29,8 @@ ALGORITHMS = ("grpo", "gigpo")
 
 
 def run_one(overrides: list[str]) -> None:
-    from megatron_agent.config import load_run_config
     from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
 
     train(load_run_config(overrides))
 
@@ -61,9 +61,9 @@ def fmt(values: list[float]) -> str:
 
 
 def main() -> None:
-    from megatron_agent.driver import read_metrics
     from megatron_agent.platform.launch import run_on_ranks
     from megatron_agent.plot import load_runs, plot_runs
+    from megatron_agent.run_dir import read_metrics
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=80)

@@ -52,8 +52,13 @@ def doctor(_args) -> int:
 
 
 def init_model(args) -> int:
-    from megatron_agent.models.tiny import write_tiny_model
+    from megatron_agent.models.families import FAMILIES
+    from megatron_agent.models.tiny import PRESETS, write_tiny_model
 
+    for flag, value, known in (("--family", args.family, FAMILIES), ("--preset", args.preset, PRESETS)):
+        if value not in known:
+            print(f"error: {flag} {value!r}: choose one of {sorted(known)}", file=sys.stderr)
+            return 2
     out = write_tiny_model(args.family, args.out, preset=args.preset, seed=args.seed)
     print(f"wrote {args.family} {args.preset} to {out}")
     return 0
@@ -63,8 +68,8 @@ def train(args) -> int:
     """The main job: configs/config.yaml (RL on NumberLine, CPU default) plus overrides."""
     from tqdm import tqdm
 
-    from megatron_agent.config import ConfigError, load_run_config
     from megatron_agent.driver import train as run_training
+    from megatron_agent.run_config import ConfigError, load_run_config
 
     try:
         config = load_run_config(args.overrides)
@@ -125,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=doctor)
 
     p = sub.add_parser("init-model", help="write a tiny HF model + tokenizer made on the spot")
-    p.add_argument("--family", required=True, choices=["llama", "qwen2", "qwen3", "qwen3_moe"])
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    # Checked in init_model against the family tables and the presets (importing them here
+    # would load torch for every command, --help included).
+    p.add_argument("--family", required=True, help="a family of megatron_agent.models.families, e.g. qwen3")
+    p.add_argument("--preset", default="tiny", help="a preset of megatron_agent.models.tiny, e.g. tiny")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=init_model)

@@ -6,10 +6,10 @@
                                       rank; engines in bundles of their own (disaggregated)
                                       or in the trainer bundles (colocate=true)
 
-Every launcher runs `driver.train_rank` on every rank; rank 0 writes run_dir/metrics.jsonl,
-which this process follows to report progress. With Ray and no `ray_address`, a local Ray
-instance is started for the run and stopped after it; `ray_address=auto` joins the
-cluster that slurm/train.sbatch started.
+Every launcher runs the rank function it is given (the driver's `train_rank`) on every
+rank; rank 0 writes run_dir/metrics.jsonl, which this process follows to report
+progress. With Ray and no `ray_address`, a local Ray instance is started for the run and
+stopped after it; `ray_address=auto` joins the cluster that slurm/train.sbatch started.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ class PlacementConfig:
                              "give the engines their own GPUs (colocate=false)")
 
 
-def launch(config, on_iteration=None) -> list[dict]:
-    """Run `driver.train_rank` on every trainer rank; return rank 0's metrics rows."""
-    from megatron_agent.driver import read_metrics, train_rank
+def launch(config, train_rank, on_iteration=None) -> list[dict]:
+    """Run `train_rank(config, on_iteration=None, launch_engines=None)` on every trainer
+    rank; return rank 0's metrics rows."""
+    from megatron_agent.run_dir import read_metrics
 
     placement = config.placement
     if placement.launcher == "local" and placement.trainer_ranks == 1:
@@ -67,7 +68,7 @@ def launch(config, on_iteration=None) -> list[dict]:
                                 name="metrics-follower", daemon=True)
     follower.start()
     try:
-        run(config)  # in this thread: Ray installs signal handlers only from the main thread
+        run(config, train_rank)  # in this thread: Ray installs signal handlers only from the main thread
     finally:
         finished.set()
         follower.join()
@@ -99,8 +100,7 @@ def follow_metrics(run_dir: Path, finished: threading.Event, on_iteration=None, 
 
 # --- local processes ------------------------------------------------------------------
 
-def _launch_local(config) -> None:
-    from megatron_agent.driver import train_rank
+def _launch_local(config, train_rank) -> None:
     from megatron_agent.platform.launch import run_on_ranks
 
     run_on_ranks(train_rank, config.placement.trainer_ranks, config, timeout_s=float("inf"),
@@ -140,11 +140,10 @@ class TrainerRankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def run(self, config, rank: int, world_size: int, master: tuple[str, int], launch_engines=None) -> None:
+    def run(self, train_rank, config, rank: int, world_size: int, master: tuple[str, int],
+            launch_engines=None) -> None:
         import ray
         import torch
-
-        from megatron_agent.driver import train_rank
 
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master[0],
                           MASTER_PORT=str(master[1]),
@@ -220,13 +219,13 @@ class RayEngineLauncher:
         return [RayEngine(url, actor) for url, actor in zip(urls, actors)]
 
 
-def _launch_on_ray(config) -> None:
+def _launch_on_ray(config, train_rank) -> None:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from megatron_agent.driver import model_dir_of
     from megatron_agent.platform.launch import RankFailed
+    from megatron_agent.run_dir import model_dir_of
 
     # Actors may run in other directories (and on other nodes, over a shared file system).
     config = dataclasses.replace(config, run_dir=str(Path(config.run_dir).resolve()),
@@ -261,7 +260,8 @@ def _launch_on_ray(config) -> None:
         launcher = (RayEngineLauncher(engine_group, list(range(len(engines)))) if engine_group is not None
                     else RayEngineLauncher(trainer_group, [i % p.trainer_ranks
                                                            for i in range(config.engine.num_engines)]))
-        pending = {a.run.remote(config, rank, p.trainer_ranks, master, launcher if rank == 0 else None): rank
+        pending = {a.run.remote(train_rank, config, rank, p.trainer_ranks, master,
+                                launcher if rank == 0 else None): rank
                    for rank, a in enumerate(actors)}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)

@@ -21,7 +21,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from megatron_agent.driver import read_metrics
+from megatron_agent.run_dir import read_metrics
 
 log = logging.getLogger(__name__)
 

@@ -115,6 +115,15 @@ def control_group():
     return _control_group
 
 
+def from_leader(obj):
+    """Rank 0's `obj` on every rank (pickled over the control group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=control_group())
+    return box[0]
+
+
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy and torch; Megatron's tracker gets per-TP/EP streams.
 

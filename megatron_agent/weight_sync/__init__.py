@@ -145,7 +145,7 @@ class WeightSync:
     def _send_stage(self, version: str):
         """Every rank of this stage iterates the export; the source sends. After an error
         the source keeps draining the export so its TP/EP peers do not hang."""
-        from rollout.weight_group import send_weights, weight_checksum
+        from rollout.weight_group import weight_checksum
 
         errors: list[str] = []
         if self.is_source and self.group is None:
@@ -213,3 +213,26 @@ class WeightSync:
             + (f"; engine(s) down: {', '.join(down)}" if down else "")
             + "\n" + "\n".join(failures)
         )
+
+
+def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, torch.Tensor]], group_name: str,
+                 *, weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0) -> list:
+    """The sender's side of one bucket: announce it to every engine over HTTP and
+    broadcast it from rank 0 of `pg` while they wait for it (one flattened uint8 tensor,
+    or one broadcast per tensor in list order). Call between begin/end_weight_update.
+    Only one sender may announce at a time, or engines deadlock."""
+    from rollout.weight_group import dtype_name, flatten_bucket
+
+    names = [n for n, _ in named_tensors]
+    tensors = [t.detach().contiguous() for _, t in named_tensors]
+    pending = client.update_weights_from_distributed(
+        names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], group_name,
+        weight_version=weight_version, load_format="flattened_bucket" if flattened else None,
+        timeout_s=timeout_s,
+    )
+    if flattened:
+        dist.broadcast(flatten_bucket(tensors), src=0, group=pg)
+    else:
+        for t in tensors:
+            dist.broadcast(t, src=0, group=pg)
+    return pending.result(timeout=timeout_s)

@@ -36,6 +36,11 @@ def test_init_model_writes_a_loadable_model(tmp_path):
     assert out.returncode == 0, out.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 4
+    for flag, value in (("--family", "gpt2"), ("--preset", "huge")):  # names from the family tables and presets
+        wrong = run_cli("init-model", "--family", "qwen3", flag, value, "--out", str(tmp_path / "w"))
+        assert wrong.returncode == 2 and f"{flag} '{value}': choose one of" in wrong.stderr
+        assert "qwen3_moe" in wrong.stderr or "small" in wrong.stderr
+    assert not (tmp_path / "w").exists()
 
 
 def test_train_runs_the_rl_loop_and_writes_metrics(tmp_path):

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.multirank  # a spawned trainer rank plus an engine proc
 
 
 def _two_iterations(model_dir: str, run_dir: str) -> list[dict]:
-    from megatron_agent.config import load_run_config
     from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
 
     config = load_run_config([f"run_dir={run_dir}", f"model_dir={model_dir}", "num_groups=2", "group_size=2",
                               "iterations=2", "loop.max_steps=3", "stop_success=null"])
@@ -31,9 +31,37 @@ def test_loop_runs_and_syncs(tiny_model_dir, tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-def _run(overrides: list[str]) -> list[dict]:
-    from megatron_agent.config import load_run_config
+def _run_counting_env_workers(overrides: list[str]) -> list[dict]:
+    """The run's rows, each with the number of env worker processes alive at its end."""
+    import os
+
+    import psutil
+
     from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
+
+    def count(row):
+        row["env_worker_processes"] = sum("multiprocessing" in " ".join(c.cmdline())
+                                          for c in psutil.Process(os.getpid()).children(recursive=True))
+
+    return train(load_run_config(overrides), on_iteration=count)
+
+
+def test_env_backend_setting_moves_the_envs_and_keeps_the_run(tmp_path):
+    common = ["num_groups=4", "group_size=2", "stop_success=null", "seed=2", "iterations=2", "val_every=2",
+              "loop.validation.num_episodes=2"]
+    inline = run_on_ranks(_run_counting_env_workers, 1, [f"run_dir={tmp_path / 'inline'}", *common],
+                          timeout_s=300)[0]
+    pooled = run_on_ranks(_run_counting_env_workers, 1, [f"run_dir={tmp_path / 'pool'}", "env_backend=process",
+                                                         "env_workers=2", *common], timeout_s=300)[0]
+    assert [row.pop("env_worker_processes") for row in inline] == [0, 0]
+    assert [row.pop("env_worker_processes") for row in pooled] == [4, 4]  # 2 for training, 2 for validation
+    _same_metrics(inline, pooled)
+
+
+def _run(overrides: list[str]) -> list[dict]:
+    from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
 
     return train(load_run_config(overrides))
 
@@ -60,13 +88,13 @@ def _run_killing_the_engine_after(overrides: list[str], kill_after: int) -> list
 
     import psutil
 
-    from megatron_agent.config import load_run_config
     from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
 
     def kill_engine(row):
         if row["iteration"] == kill_after:
             for child in psutil.Process(os.getpid()).children(recursive=True):
-                if "rollout.embedded_engine" in " ".join(child.cmdline()):
+                if "rollout.engine_server" in " ".join(child.cmdline()):
                     os.kill(child.pid, signal.SIGKILL)
 
     return train(load_run_config(overrides), on_iteration=kill_engine)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from megatron_agent.config import CONFIG_DIR, ConfigError, load_run_config
+from megatron_agent.run_config import CONFIG_DIR, ConfigError, load_run_config
 
 ALGORITHMS = sorted(p.stem for p in (CONFIG_DIR / "algorithm").glob("*.yaml"))
 ENVS = sorted(p.stem for p in (CONFIG_DIR / "env").glob("*.yaml"))

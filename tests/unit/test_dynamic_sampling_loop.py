@@ -9,9 +9,9 @@ import pytest
 
 from envs import EnvManager
 from megatron_agent.algorithms import compute_advantages
-from megatron_agent.config import load_run_config
-from megatron_agent.driver import collect_samples, rollout_seeds
 from megatron_agent.models.tiny import build_tokenizer
+from megatron_agent.run_config import load_run_config
+from megatron_agent.samples import collect_samples, rollout_seeds, step_columns
 from rollout.engine_client import GenerateOutput
 
 
@@ -58,9 +58,12 @@ def test_groups_without_signal_are_replaced_until_the_batch_is_full():
     assert metrics["rollout/dynamic_sampling_kept_groups"] == config.num_groups
     assert metrics["rollout/dynamic_sampling_dropped_groups"] == sum(
         1 for s in seeds[:tries_needed * config.num_groups] if s % 2 == 0)
-    assert len(set(samples.group_ids)) == config.num_groups
+    assert len({s.group_id for s in samples}) == config.num_groups
+    # Each try's groups are numbered after the earlier tries' (the seeds list is in that order too).
+    assert all(s.env_seed == seeds[s.group_id] for s in samples)
+    assert all(s.traj_id // config.group_size == s.group_id for s in samples)
     # A dropped group's samples would all get a zero GRPO advantage; every kept one has a signal.
-    advantages = compute_advantages(samples.step_samples(), config.algorithm).advantages
+    advantages = compute_advantages(step_columns(samples), config.algorithm).advantages
     assert bool((advantages != 0).all())
 
 
@@ -78,4 +81,4 @@ def test_without_dynamic_sampling_the_first_rollout_is_the_batch():
     samples, metrics, episodes = _collect(config)
     assert "rollout/dynamic_sampling_tries" not in metrics
     assert len(episodes) == config.num_groups * config.group_size
-    assert len(samples.group_ids) == sum(len(e) for e in episodes)
+    assert len(samples) == sum(len(e) for e in episodes)

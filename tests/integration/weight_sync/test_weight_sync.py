@@ -84,7 +84,7 @@ def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int,
     import os
     import signal
 
-    import rollout.weight_group as weight_group
+    import megatron_agent.weight_sync as weight_sync
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
@@ -94,7 +94,7 @@ def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int,
     ctx = init_distributed(ParallelConfig(), seed=7)
     actor = Actor(model_dir, ctx.parallel, ActorConfig(), AlgorithmConfig(use_kl_loss=False))
     sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=16 * 1024, timeout_s=20))
-    send, sent = weight_group.send_weights, []
+    send, sent = weight_sync.send_weights, []
 
     def send_then_kill(*args, **kwargs):  # the engine dies after the first bucket landed
         out = send(*args, **kwargs)
@@ -103,14 +103,14 @@ def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int,
             os.kill(victim_pid, signal.SIGKILL)
         return out
 
-    weight_group.send_weights = send_then_kill
+    weight_sync.send_weights = send_then_kill
     try:
         sync.sync(version=1)
         return {"error": None}
     except WeightSyncError as err:
         message = str(err)
     finally:
-        weight_group.send_weights = send
+        weight_sync.send_weights = send
     restarted = launch_engines(restart_dir, 1)
     try:
         sync.set_engines([urls[0], restarted[0].url])

@@ -1,20 +1,78 @@
-"""Run configuration: Hydra YAML in configs/ composed onto the typed `RunConfig` schema.
+"""The run configuration: the typed schema root that Hydra fills, and its checks.
 
     run = load_run_config(["algorithm=gigpo", "actor.lr=5e-4"])
 
-Everything is checked here, before any process starts: an unknown key, a value of the
-wrong type, an unknown group option, and combinations that cannot work (GiGPO with
-groups of one, an env config field the env does not have...) raise `ConfigError`
-naming the key.
+`RunConfig` is the root; each section's dataclass lives with the code it configures
+(`AlgorithmConfig` in algorithms/, `ActorConfig` in training/, `PlacementConfig` in
+placement.py, ...). configs/*.yaml fill it (configs/config.yaml lists `run_schema`, this
+schema, first). Everything is checked here, before any process starts: an unknown key, a
+value of the wrong type, an unknown group option, and combinations that cannot work
+(GiGPO with groups of one, an env config field the env does not have...) raise
+`ConfigError` naming the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_agent.driver import RunConfig
+from megatron_agent.algorithms import AlgorithmConfig
+from megatron_agent.placement import PlacementConfig
+from megatron_agent.platform.parallel import ParallelConfig
+from megatron_agent.training.actor import ActorConfig
+from megatron_agent.weight_sync import WeightSyncConfig
+from rollout.agent_loop import AgentLoopConfig
+from rollout.engine_launch import EngineConfig
+
+ENV_BACKENDS = ("inline", "process", "ray")
+
+
+@dataclass
+class TinyModelConfig:
+    """The model made on the spot in run_dir/model when model_dir is None."""
+
+    family: str = "qwen3"
+    preset: str = "tiny"
+    num_hidden_layers: int = 2
+    tokenizer: str = "words"  # "words": the 43-word job vocabulary; "bpe": byte-level BPE
+
+
+@dataclass
+class RunConfig:
+    """The schema root; the defaults here are the libraries' own, the CPU main job's
+    settings live in configs/."""
+
+    run_dir: str = "runs/default"
+    model_dir: str | None = None  # an HF model directory; None: tiny_model, made on the spot
+    tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    env: str = "numberline"
+    env_config: dict = field(default_factory=dict)  # fields of the env's config dataclass
+    # Where the env copies step: "inline" (in rank 0's process), "process" (a pool of
+    # worker processes), "ray" (Ray actors); env_workers: how many (None: one per CPU).
+    env_backend: str = "process"
+    env_workers: int | None = None
+    num_groups: int = 16
+    group_size: int = 8
+    iterations: int = 200
+    # Stop once the 3-iteration moving average of the success rate reaches this.
+    stop_success: float | None = None
+    seed: int = 0
+    save_every: int = 0  # iterations between checkpoints in run_dir/checkpoints (0: none)
+    val_every: int = 0  # iterations between validation runs (loop.validation settings; 0: none)
+    samples_every: int = 0  # iterations between writing a few episodes as text (0: none)
+    # A run directory to continue from its last complete checkpoint (the same settings).
+    resume: str | None = None
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: ActorConfig = field(default_factory=ActorConfig)  # the value model of algorithm=ppo (GAE)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -95,6 +153,10 @@ def validate_run_config(run: RunConfig) -> None:
             f"group_size=1 with algorithm.advantage_estimator={run.algorithm.advantage_estimator!r}: "
             "group-relative advantages need at least 2 episodes per group"
         )
+    if run.env_backend not in ENV_BACKENDS:
+        raise ConfigError(f"env_backend={run.env_backend!r}; choose one of {ENV_BACKENDS}")
+    if run.env_workers is not None and run.env_workers < 1:
+        raise ConfigError(f"env_workers={run.env_workers} must be >= 1 (or null: one per CPU)")
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)
@@ -102,8 +164,8 @@ def validate_run_config(run: RunConfig) -> None:
 
 def validate_placement(run: RunConfig) -> None:
     """The parallel layout against the ranks and the model, where the engines go."""
-    from megatron_agent.models.config import validate_layout_for_model
     from megatron_agent.models.tiny import PRESETS, TIED_EMBEDDINGS, TOKENIZER_KINDS, hf_config_for
+    from megatron_agent.models.transformer_config import validate_layout_for_model
     from megatron_agent.platform import ParallelLayoutError
 
     try:

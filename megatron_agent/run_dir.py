@@ -1,0 +1,112 @@
+"""A run's directory: what is in it, and the writers and readers of those files.
+
+    run_dir/
+      config.json            the resolved RunConfig
+      model/                 the tiny model made on the spot (when model_dir is None)
+      metrics.jsonl          one JSON row per iteration (rank 0)
+      tensorboard/           the same rows as TensorBoard scalars
+      samples/iter_N.txt     a few episodes as text, every samples_every iterations
+      checkpoints/iter_N/    the actor (a dist checkpoint); critic_checkpoints/ alike
+      engines/               the engine processes' logs
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+
+def model_dir_of(config) -> str:
+    return config.model_dir or str(Path(config.run_dir) / "model")
+
+
+def prepare_run_dir(config) -> None:
+    """Before any rank starts: the run directory, the tiny model, the resolved config, and
+    no metrics left from an earlier run in the same directory (unless resuming from it)."""
+    from megatron_agent.models.tiny import write_tiny_model
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = model_dir_of(config)
+    if not (Path(model_dir) / "config.json").exists():
+        tiny = config.tiny_model
+        write_tiny_model(tiny.family, model_dir, preset=tiny.preset, seed=config.seed, tokenizer=tiny.tokenizer,
+                         num_hidden_layers=tiny.num_hidden_layers)
+    (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and not (config.resume and Path(config.resume).resolve() == run_dir.resolve()):
+        metrics.unlink()
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:06d}"
+
+
+def actor_checkpoint_dir(run_dir: Path, name: str) -> Path:
+    return run_dir / "checkpoints" / name
+
+
+def critic_checkpoint_dir(run_dir: Path, name: str) -> Path:
+    return run_dir / "critic_checkpoints" / name
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The newest complete actor checkpoint of a run (partial ones are dot-prefixed)."""
+    found = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "megatron_agent.json").is_file())
+    if not found:
+        raise FileNotFoundError(f"no complete checkpoint in {run_dir / 'checkpoints'} to resume from")
+    return found[-1]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a row cut short by a kill
+            break
+    return rows
+
+
+class MetricsLog:
+    """metrics.jsonl and TensorBoard, opened with the rows a resumed run keeps."""
+
+    def __init__(self, run_dir: Path, history: list[dict]):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.file = (run_dir / "metrics.jsonl").open("w")
+        for row in history:
+            self.file.write(json.dumps(row) + "\n")
+        self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        for key, value in row.items():
+            if key != "iteration" and isinstance(value, int | float):
+                self.tensorboard.add_scalar(key, value, row["iteration"])
+
+    def close(self) -> None:
+        self.file.close()
+        self.tensorboard.close()
+
+
+def write_sample_episodes(run_dir: Path, iteration: int, episodes: list) -> None:
+    """A few trajectories as a person reads them: each step's prompt, response, reward."""
+    path = run_dir / "samples" / f"{checkpoint_name(iteration)}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for steps in episodes:
+        if not steps:
+            continue
+        first = steps[0]
+        lines.append(f"=== episode traj {first.traj_id} (group {first.group_id}, seed {first.env_seed}): "
+                     f"return {first.episode_return:g}, won {steps[-1].won}, {len(steps)} steps")
+        for s in steps:
+            lines.append(f"--- step {s.step_index}: reward {s.reward:g}, valid {s.is_action_valid}")
+            lines.append(f"observation: {s.anchor}")
+            lines.append(f"response: {s.response_text!r}")
+        lines.append("")
+    path.write_text("\n".join(lines))
