@@ -1,6 +1,7 @@
 """The RL training loop, top to bottom.
 
-    collect grouped episodes -> (dynamic sampling) -> advantages -> logprobs -> update
+    collect grouped episodes -> (dynamic sampling) -> advantages -> logprobs (served vs
+    trained check) -> update
     -> weight sync -> validate every N -> checkpoint every M -> log
 
 `train(config)` starts the trainer ranks where `config.placement` says (this process,
@@ -55,6 +56,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
     from megatron_agent.engine_fleet import EngineFleet
     from megatron_agent.platform import from_leader, init_distributed
     from megatron_agent.training.actor import Actor
+    from megatron_agent.training.checks import served_vs_trained
     from megatron_agent.training.critic import Critic
     from rollout.agent_loop import run_validation
 
@@ -95,6 +97,8 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                 batch.advantages = torch.as_tensor(advantages.advantages, dtype=torch.float32)
 
             with timer.phase("logprobs"):
+                checked = (served_vs_trained(actor, batch, config.check, config.actor.params_dtype, iteration)
+                           if config.check.due(iteration, first_iteration) else {})
                 if actor.reference is not None:  # built for an active KL loss only
                     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True,
                                                                 with_entropy=False)["logprobs"]
@@ -102,7 +106,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                     batch.old_logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
 
             with timer.phase("update"):
-                metrics = actor.update(batch)
+                metrics = {**checked, **actor.update(batch)}
             if critic is not None:
                 with timer.phase("critic_update"):
                     metrics.update(critic.update(batch, returns=advantages.returns, old_values=values))

@@ -22,6 +22,7 @@ from megatron_agent.algorithms import AlgorithmConfig
 from megatron_agent.placement import PlacementConfig
 from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.actor import ActorConfig
+from megatron_agent.training.checks import LogprobCheckConfig
 from megatron_agent.weight_sync import WeightSyncConfig
 from rollout.agent_loop import AgentLoopConfig
 from rollout.engine_launch import EngineConfig
@@ -72,6 +73,7 @@ class RunConfig:
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)  # served vs trained logprobs
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -127,7 +129,8 @@ def validate_run_config(run: RunConfig) -> None:
     """The combinations no schema can express."""
     from envs.registry import get_spec, registered_envs
 
-    for name, section in (("algorithm", run.algorithm), ("actor", run.actor), ("critic", run.critic)):
+    for name, section in (("algorithm", run.algorithm), ("actor", run.actor), ("critic", run.critic),
+                          ("check", run.check)):
         try:
             section.validate()
         except ValueError as err:

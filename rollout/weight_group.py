@@ -91,8 +91,9 @@ def unflatten_bucket(
 def weight_checksum(tensor: torch.Tensor) -> float:
     """A position-sensitive checksum (a fixed pseudo-random weighting of every element, in
     float64): swapped rows or heads change it, unlike a plain sum. The trainer and the
-    engine compute it the same way to check a weight sync."""
-    flat = tensor.detach().reshape(-1).to(torch.float64)
+    engine compute it the same way to check a weight sync. A tensor on a GPU is copied to
+    the CPU first (the weighting is drawn there, so both sides draw the same)."""
+    flat = tensor.detach().reshape(-1).to("cpu", torch.float64)
     weights = torch.rand(flat.numel(), dtype=torch.float64, generator=torch.Generator().manual_seed(flat.numel()))
     return float((flat * (weights + 0.5)).sum())
 

@@ -1,15 +1,56 @@
-"""Run-time checks that catch silent errors early.
+"""Run-time checks that catch silent errors early: served vs trained.
 
-The first iteration of a run has the same weights in the trainer and the rollout
-engines, so the logprobs the engine reported and the ones the actor recomputes must
-agree up to numerics. A large gap means a weight-mapping or precision bug (a wrong
-bridge rule, a different temperature, bf16 against fp32) that would otherwise only
-show up as a policy that does not learn.
+Each iteration's episodes are generated on the weights the last sync sent, which are
+the weights the actor holds before this iteration's update; so the logprobs the engine
+reported and the ones the actor recomputes for the same tokens must agree up to
+numerics. A large gap on the first iteration means a weight-mapping or precision bug (a
+wrong bridge rule, a different temperature, bf16 against fp32); a gap that appears
+later means a weight sync that reported success but did not land (e.g. on some of an
+engine's ranks). Either would otherwise only show up as a policy that does not learn.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+# The mean |served - trained| logprob a healthy run stays under, by the actor's
+# parameter dtype: fp32 on both sides agrees to ~1e-6; bf16 kernels differ by ~1e-2.
+DEFAULT_MEAN_BOUND = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
+
+
+@dataclass
+class LogprobCheckConfig:
+    """The served-vs-trained check (RunConfig.check)."""
+
+    every: int = 1  # iterations between checks (0: never); the run's first iteration is always one
+    max_samples: int = 64  # step samples recomputed per check (evenly spaced over the batch)
+    # Fail the run when the mean |served - trained| logprob is above this (None: by the
+    # actor's params_dtype, DEFAULT_MEAN_BOUND); with fail=False it is only reported.
+    max_mean_abs_diff: float | None = None
+    fail: bool = True
+
+    def validate(self) -> None:
+        if self.every < 0 or self.max_samples < 1:
+            raise ValueError(f"every={self.every} must be >= 0 and max_samples={self.max_samples} >= 1")
+        if self.max_mean_abs_diff is not None and not self.max_mean_abs_diff > 0:
+            raise ValueError(f"max_mean_abs_diff={self.max_mean_abs_diff} must be > 0 (or null)")
+
+    def due(self, iteration: int, first_iteration: int) -> bool:
+        return self.every > 0 and (iteration == first_iteration or iteration % self.every == 0)
+
+    def bound(self, params_dtype: str) -> float:
+        return self.max_mean_abs_diff if self.max_mean_abs_diff is not None else DEFAULT_MEAN_BOUND[params_dtype]
+
+
+def check_sample_indices(batch_size: int, max_samples: int) -> list[int]:
+    """At most `max_samples` indices spread evenly over the batch, first and last included."""
+    if batch_size <= max_samples:
+        return list(range(batch_size))
+    if max_samples == 1:
+        return [0]
+    return sorted({round(k * (batch_size - 1) / (max_samples - 1)) for k in range(max_samples)})
 
 
 class LogprobMismatchError(RuntimeError):
@@ -27,12 +68,32 @@ def rollout_logprob_gap(actor_logprobs: torch.Tensor, rollout_logprobs: torch.Te
             "check/rollout_logprob_mean_abs_diff": float(diff.mean())}
 
 
-def check_rollout_logprobs(gap: dict[str, float], max_abs_diff: float | None) -> None:
-    """Raise when the gap is over the configured bound (None: only report)."""
-    worst = gap["check/rollout_logprob_max_abs_diff"]
+def check_rollout_logprobs(gap: dict[str, float], max_abs_diff: float | None = None, *,
+                           max_mean_abs_diff: float | None = None, when: str = "") -> None:
+    """Raise when the gap's max or mean is over its bound (None: that one is not checked)."""
+    worst, mean = gap["check/rollout_logprob_max_abs_diff"], gap["check/rollout_logprob_mean_abs_diff"]
+    over = []
     if max_abs_diff is not None and worst > max_abs_diff:
+        over.append(f"bound {max_abs_diff:g}")
+    if max_mean_abs_diff is not None and mean > max_mean_abs_diff:
+        over.append(f"mean bound {max_mean_abs_diff:g}")
+    if over:
         raise LogprobMismatchError(
             f"the actor's recomputed logprobs differ from the rollout engine's by up to {worst:.3g} "
-            f"(mean {gap['check/rollout_logprob_mean_abs_diff']:.3g}; bound {max_abs_diff:g}) on the same "
-            "weights: check the weight mapping, the sampling temperature and the dtypes of both sides"
+            f"(mean {mean:.3g}; {', '.join(over)}) on the same weights{when}: check the weight mapping, "
+            "the sampling temperature, the dtypes of both sides, and that every engine rank received the "
+            "last weight sync"
         )
+
+
+def served_vs_trained(actor, batch, config: LogprobCheckConfig, params_dtype: str, iteration: int) -> dict:
+    """Recompute the logprobs of some of the batch's samples with the actor (collective:
+    every rank calls it) and compare them with what the engines reported; raise
+    LogprobMismatchError past the bound (config.fail), return the gap as metrics."""
+    sample = batch.select(check_sample_indices(batch.size, config.max_samples))
+    recomputed = actor.compute_logprobs(sample, with_entropy=False)["logprobs"]
+    gap = rollout_logprob_gap(recomputed, sample.rollout_logprobs, sample.response_mask)
+    if config.fail:
+        check_rollout_logprobs(gap, max_mean_abs_diff=config.bound(params_dtype),
+                               when=f" (iteration {iteration}, served weights version {iteration})")
+    return gap

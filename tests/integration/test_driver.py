@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -28,7 +29,30 @@ def test_loop_runs_and_syncs(tiny_model_dir, tmp_path):
         for key in ("actor/pg_loss", "actor/grad_norm", "weight_sync/bytes", "time/rollout", "time/update"):
             assert math.isfinite(row[key]), key
         assert row["weight_sync/bytes"] > 0
+        # served vs trained: fp32 on both sides, the weights the engine served are the actor's
+        assert row["check/rollout_logprob_mean_abs_diff"] < 1e-5 and row["check/rollout_logprob_max_abs_diff"] < 1e-4
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def _run_with_syncs_that_do_not_land(overrides: list[str]) -> list[dict]:
+    """Every weight sync reports success and sends nothing: the engine keeps serving the
+    initial weights, as a multi-rank server whose other ranks missed the update would."""
+    from megatron_agent.weight_sync import WeightSync
+
+    WeightSync.sync = lambda self, version: {"weight_sync/seconds": 0.0, "weight_sync/bytes": 0.0,
+                                             "weight_sync/buckets": 0.0, "weight_sync/gb_per_s": 0.0}
+    return _run(overrides)
+
+
+def test_a_weight_sync_that_did_not_land_fails_the_run_at_the_next_check(tmp_path):
+    from megatron_agent.platform.launch import RankFailed
+
+    common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=3", "iterations=3", "val_every=0"]
+    with pytest.raises(RankFailed, match=r"(?s)differ from the rollout engine's.*iteration 1, served weights"):
+        run_on_ranks(_run_with_syncs_that_do_not_land, 1, [f"run_dir={tmp_path}", *common], timeout_s=300)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0]  # the first iteration served the trained weights
+    assert rows[0]["check/rollout_logprob_mean_abs_diff"] < 1e-5
 
 
 def _run_counting_env_workers(overrides: list[str]) -> list[dict]:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_agent.training.checks import LogprobMismatchError, check_rollout_logprobs, rollout_logprob_gap
+from megatron_agent.training.checks import (
+    DEFAULT_MEAN_BOUND,
+    LogprobCheckConfig,
+    LogprobMismatchError,
+    check_rollout_logprobs,
+    check_sample_indices,
+    rollout_logprob_gap,
+)
 
 
 def test_gap_over_response_tokens_only():
@@ -25,3 +32,23 @@ def test_gap_over_response_tokens_only():
 def test_empty_mask():
     gap = rollout_logprob_gap(torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2))
     assert gap["check/rollout_logprob_max_abs_diff"] == 0.0
+
+
+def test_the_mean_bound_and_where_the_gap_was_seen_are_named():
+    gap = {"check/rollout_logprob_max_abs_diff": 0.3, "check/rollout_logprob_mean_abs_diff": 0.1}
+    check_rollout_logprobs(gap, max_mean_abs_diff=0.2)
+    with pytest.raises(LogprobMismatchError, match=r"mean 0.1; mean bound 0.05\) on the same weights \(iteration 4\)"):
+        check_rollout_logprobs(gap, max_mean_abs_diff=0.05, when=" (iteration 4)")
+
+
+def test_check_schedule_bound_and_sample_spread():
+    config = LogprobCheckConfig(every=5)
+    assert [i for i in range(3, 16) if config.due(i, first_iteration=3)] == [3, 5, 10, 15]
+    assert not LogprobCheckConfig(every=0).due(0, 0)
+    assert config.bound("fp32") == DEFAULT_MEAN_BOUND["fp32"] and config.bound("bf16") == DEFAULT_MEAN_BOUND["bf16"]
+    assert LogprobCheckConfig(max_mean_abs_diff=0.2).bound("fp32") == 0.2
+    assert check_sample_indices(3, 64) == [0, 1, 2]
+    assert check_sample_indices(10, 4) == [0, 3, 6, 9]
+    assert check_sample_indices(10, 1) == [0]
+    with pytest.raises(ValueError, match="max_samples=0"):
+        LogprobCheckConfig(max_samples=0).validate()
