@@ -13,6 +13,7 @@ from megatron_agent.models.transformer_config import (
     read_hf_config,
     transformer_config_from_hf,
 )
+from megatron_agent.platform.cpu_support import cpu_support_enabled
 from megatron_agent.platform.device import detect_platform
 from megatron_agent.platform.parallel import ParallelConfig
 
@@ -74,10 +75,12 @@ def build_model(
 
     hf = read_hf_config(hf_config)
     spec_name = choose_layer_spec(layer_spec)
-    if parallel.sequence_parallel and spec_name != "transformer_engine":
+    if parallel.sequence_parallel and spec_name != "transformer_engine" and not cpu_support_enabled():
         # Megatron's torch-norm fallback refuses it: its norm weights are not marked for
-        # the TP all-reduce that sequence-parallel gradients need.
-        raise RuntimeError("sequence parallelism needs the Transformer Engine layer spec (a GPU)")
+        # the TP all-reduce that sequence-parallel gradients need. The CPU support layer
+        # tags them (platform/cpu_support.py); a GPU without TE has no such layer.
+        raise RuntimeError("sequence parallelism with the local layer spec runs on CPU only; "
+                           "on a GPU it needs the Transformer Engine layer spec")
     if fp8_recipe is not None and spec_name != "transformer_engine":
         raise RuntimeError(f"fp8_recipe={fp8_recipe!r} needs the Transformer Engine layer spec")
     config = transformer_config_from_hf(

@@ -9,7 +9,7 @@ The redirects are of three kinds:
 1. the CUDA runtime calls Megatron makes (current device, synchronize, streams, events,
    the CUDA RNG) answer as the CPU would;
 2. tensors Megatron creates with a literal `device="cuda"` or `.cuda()` land on the CPU;
-3. four Megatron functions that cannot work on the CPU as written are wrapped.
+3. six Megatron functions that cannot work on the CPU as written are wrapped.
 None of them changes what a computation produces: a TP/PP/EP run on CPU equals the
 single-rank run (tests/multirank).
 """
@@ -31,8 +31,10 @@ if not torch.cuda.is_available():
     # Megatron warns at import that it falls back to torch kernels without Apex/TE; on a
     # CPU machine that is the plan, and `megatron-agent doctor` reports it once.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
-    # A CUDA stream setting Megatron's TP layers recommend at every step; no streams here.
-    warnings.filterwarnings("ignore", message=r"When using async grad allreduce.*CUDA_DEVICE_MAX_CONNECTIONS")
+    # A CUDA stream setting Megatron's TP layers recommend at every step (with async grad
+    # all-reduce or sequence parallelism); no streams here.
+    warnings.filterwarnings("ignore", message=r"When using (async grad allreduce|sequence parallelism)"
+                                              r".*CUDA_DEVICE_MAX_CONNECTIONS")
 
 _applied = False
 _CPU = torch.device("cpu")
@@ -50,6 +52,11 @@ def enable_cpu_support() -> bool:
         _applied = True
         log.debug("Megatron-Core CPU support enabled")
     return True
+
+
+def cpu_support_enabled() -> bool:
+    """Whether the redirects are in place (a CPU-only process after enable_cpu_support)."""
+    return _applied
 
 
 # --- 1. the CUDA runtime -------------------------------------------------------------
@@ -191,6 +198,8 @@ def _patch_megatron():
     _patch_optimizer_type_checks()
     _patch_all_to_all_split_sizes()
     _patch_moe_router_gemm()
+    _patch_torch_norm_for_sequence_parallel()
+    _patch_uneven_all_gather()
 
 
 def _patch_rng():
@@ -322,3 +331,64 @@ def _patch_moe_router_gemm():
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _patch_torch_norm_for_sequence_parallel():
+    """The local spec's norms are `WrappedTorchNorm` (transformer/torch_norm.py), which
+    asserts `not config.sequence_parallel`: Megatron's torch fallback never marks its
+    weights for sequence parallelism. With sequence parallelism each TP rank normalises
+    its own slice of the sequence, so a norm weight's gradient is a partial sum that
+    finalize_model_grads (distributed/finalize_model_grads.py,
+    _allreduce_non_tensor_model_parallel_grads) adds up over TP for every parameter
+    tagged `sequence_parallel`, the tag Transformer Engine's norms set
+    (extensions/transformer_engine.py, TENorm). Here the same torch norm is built (the
+    computation is per token, unchanged by where the sequence is cut) and tagged as TE
+    tags it. This covers the layers' input/pre-MLP norms, the q/k norms and the final
+    norm (transformer_block.py builds it from the same class); the MoE router tags its
+    own weight (transformer/moe/router.py)."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False  # only its assertion reads it
+        norm = build(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def _patch_uneven_all_gather():
+    """gloo's all_gather needs every rank's tensor to have one shape. Megatron gathers
+    pieces of different lengths along the sequence with a list all_gather
+    (tensor_parallel/mappings.py, _gather_along_first_dim with output_split_sizes): the
+    MoE all-to-all dispatcher does so over the expert-TP group when etp > 1 and ep > 1
+    (transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher.dispatch_postprocess,
+    and the backward of its reduce-scatter in combine_preprocess), as each TP rank routes
+    a different number of tokens to this rank's experts. NCCL takes uneven pieces; gloo
+    raises "invalid tensor size". Here every piece is padded to the longest, gathered,
+    and cut back to its own length: the same tensor. Even gathers and the reduce-scatters
+    (gloo has those, uneven too) go to Megatron's own code."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather = mappings._gather_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or len(set(output_split_sizes)) == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, output_split_sizes)], dim=0)
+
+    mappings._gather_along_first_dim = gather_along_first_dim

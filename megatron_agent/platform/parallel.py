@@ -18,7 +18,8 @@ class ParallelConfig:
     """Megatron's parallel sizes. Data parallel is derived from the world size.
 
     tp: tensor, pp: pipeline, vpp: virtual pipeline chunks per stage (None = off),
-    cp: context, ep: expert, etp: expert tensor (None = same as tp).
+    cp: context (only 1: context parallelism is refused by `validate`), ep: expert,
+    etp: expert tensor (None = same as tp).
     """
 
     tp: int = 1
@@ -46,6 +47,14 @@ class ParallelConfig:
                 raise ParallelLayoutError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.etp is not None and self.etp < 1:
             raise ParallelLayoutError(f"parallel.etp={self.etp} must be >= 1")
+        if self.cp > 1:
+            # Megatron's local attention refuses it (only Transformer Engine's attention
+            # splits a sequence over CP ranks) and the trainer does not cut batches for it.
+            raise ParallelLayoutError(
+                f"parallel.cp={self.cp}: context parallelism is not supported; set parallel.cp=1 "
+                "and fit long sequences with tensor + sequence parallelism (parallel.tp > 1, "
+                "parallel.sequence_parallel=true) or more pipeline stages (parallel.pp)"
+            )
         if self.vpp is not None:
             if self.vpp < 1:
                 raise ParallelLayoutError(f"parallel.vpp={self.vpp} must be >= 1 (or unset)")

@@ -34,7 +34,12 @@ from megatron_agent.models.transformer_config import read_hf_config
 from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.batch import TrainBatch, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_entropy, token_logprobs
-from megatron_agent.training.schedule import attach_grad_finalization, run_schedule, wrap_with_ddp
+from megatron_agent.training.schedule import (
+    attach_grad_finalization,
+    layout_multiple,
+    run_schedule,
+    wrap_with_ddp,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +153,7 @@ class Actor:
 
     def _micro_batches(self, batch: TrainBatch, indices: list[int], **per_token) -> list[dict]:
         groups = micro_batches_by_tokens(batch.lengths[indices], self.config.max_tokens_per_micro_batch,
-                                         min_count=self.pp_size)
+                                         min_count=self.pp_size, multiple=layout_multiple(self.chunks))
         out = []
         for group in groups:
             idx = torch.tensor([indices[g] for g in group])

@@ -8,9 +8,13 @@ token t+1 is a response token the loss should see.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
+
+# Transformer Engine's FP8 GEMMs want the token dimension in multiples of 16.
+FP8_ALIGNMENT = 16
 
 
 @dataclass
@@ -72,16 +76,45 @@ class TrainBatch:
                    lengths=torch.tensor(lengths), temperature=temperature)
 
 
-def micro_batches_by_tokens(lengths: torch.Tensor, max_tokens: int, *, min_count: int = 1) -> list[list[int]]:
+def sequence_multiple(*, tp: int = 1, sequence_parallel: bool = False, fp8: bool = False, cp: int = 1) -> int:
+    """What the sequence length of a micro-batch (its input columns) must be a multiple of.
+
+    - sequence parallelism cuts the sequence into `tp` equal slices, one per TP rank;
+    - FP8 GEMMs (Transformer Engine) want multiples of 16 tokens;
+    - context parallelism cuts it into 2*cp chunks (each CP rank takes two, for causal
+      load balance).
+    When several apply, their least common multiple; 1 when none does.
+    """
+    multiple = 1
+    if sequence_parallel and tp > 1:
+        multiple = math.lcm(multiple, tp)
+    if fp8:
+        multiple = math.lcm(multiple, FP8_ALIGNMENT)
+    if cp > 1:
+        multiple = math.lcm(multiple, 2 * cp)
+    return multiple
+
+
+def padded_length(columns: int, multiple: int) -> int:
+    """`columns` rounded up to a multiple of `multiple`."""
+    return -(-columns // multiple) * multiple
+
+
+def micro_batches_by_tokens(lengths: torch.Tensor, max_tokens: int, *, min_count: int = 1,
+                            multiple: int = 1) -> list[list[int]]:
     """Group sample indices into micro-batches whose padded size (count x longest) stays
     within `max_tokens` (dynamic batch size). Longest first, so similar lengths share a
-    micro-batch; at least `min_count` micro-batches (pipeline schedules want >= pp)."""
+    micro-batch; at least `min_count` micro-batches (pipeline schedules want >= pp).
+
+    With `multiple` > 1 the longest sequence counts with the padding the layout adds
+    (its L-1 input columns rounded up to the multiple, plus the last target); a single
+    sequence within the budget is never refused for its padding."""
     order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
     groups: list[list[int]] = []
     for i in order:
         if groups:
             current = groups[-1]
-            longest = int(lengths[current[0]])
+            longest = padded_length(int(lengths[current[0]]) - 1, multiple) + 1
             if (len(current) + 1) * longest <= max_tokens:
                 current.append(i)
                 continue

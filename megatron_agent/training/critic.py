@@ -24,14 +24,24 @@ from megatron_agent.training.schedule import run_schedule
 
 
 class ValueHead(torch.nn.Module):
-    """Stands in for GPTModel's output layer: hidden [s, b, h] -> values [s, b, 1]."""
+    """Stands in for GPTModel's output layer: hidden [s, b, h] -> values [s, b, 1].
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    With sequence parallelism the hidden states arrive cut along the sequence over TP
+    ranks; they are gathered first (as the output layer would), and in backward each
+    rank keeps its own slice of the gradient (every rank computed the same values and
+    loss, so nothing is summed)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
@@ -43,7 +53,8 @@ class Critic(Actor):
         chunks = build_model(hf, self.parallel, **build)
         for chunk in chunks:
             if chunk.post_process:
-                chunk.output_layer = ValueHead(hf["hidden_size"], build["params_dtype"])
+                chunk.output_layer = ValueHead(hf["hidden_size"], build["params_dtype"],
+                                               sequence_parallel=self.parallel.sequence_parallel)
         load_hf_weights(chunks, self.model_dir, skip=lambda name: name.startswith("output_layer."))
         return chunks
 

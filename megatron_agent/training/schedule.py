@@ -4,6 +4,11 @@
 policy update, language-model steps): it picks Megatron's schedule for the layout (no
 pipelining, 1F1B, interleaved), feeds every model chunk the same micro-batches, and
 returns what the loss function reported for each micro-batch on the last stage.
+
+Sequence lengths are padded here, on the way into the model, to what the layout needs
+(`batch.sequence_multiple`: TP with sequence parallelism, FP8, CP); the model's output
+is cut back to the micro-batch's own width before the loss function sees it, so losses,
+logprobs, metrics and token counts are those of the unpadded micro-batch.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
+
+from megatron_agent.training.batch import padded_length, sequence_multiple
 
 MicroBatch = dict[str, torch.Tensor]
 # loss_fn(micro_batch, output) -> (loss, metrics). `output` is what the last stage's
@@ -53,17 +60,43 @@ def language_model_loss(micro_batch: MicroBatch, token_losses: torch.Tensor):
     return loss, {"loss": loss.detach().clone()}
 
 
-def _forward_step(loss_fn: LossFn, data_iterator, model):
+def layout_multiple(chunks: list) -> int:
+    """The sequence multiple (`batch.sequence_multiple`) of the model's layout."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    return sequence_multiple(tp=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
+                             fp8=config.fp8 is not None, cp=config.context_parallel_size)
+
+
+def pad_model_inputs(micro_batch: MicroBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """input_ids, position_ids and labels right-padded to `width` columns: token 0, and
+    positions that keep counting. The padded columns come after every real one, so under
+    the causal mask no real position attends to them."""
+    input_ids, positions, labels = micro_batch["input_ids"], micro_batch["position_ids"], micro_batch.get("labels")
+    extra = width - input_ids.shape[1]
+    if extra <= 0:
+        return input_ids, positions, labels
+    pad = partial(torch.nn.functional.pad, pad=(0, extra))
+    more = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
+    return (pad(input_ids, value=0), torch.cat([positions, more], dim=1),
+            None if labels is None else pad(labels, value=0))
+
+
+def _forward_step(loss_fn: LossFn, multiple: int, data_iterator, model):
     micro_batch = next(data_iterator)
     device = next(model.parameters()).device
     micro_batch = {k: v.to(device, non_blocking=True) for k, v in micro_batch.items()}
-    output = model(
-        micro_batch["input_ids"],
-        micro_batch["position_ids"],
-        attention_mask=None,
-        labels=micro_batch.get("labels"),
-    )
-    return output, partial(loss_fn, micro_batch)
+    columns = micro_batch["input_ids"].shape[1]
+    input_ids, positions, labels = pad_model_inputs(micro_batch, padded_length(columns, multiple))
+    output = model(input_ids, positions, attention_mask=None, labels=labels)
+
+    def loss(output_tensor):
+        # Last stage only: [b, s_padded, ...] back to the micro-batch's own columns, so
+        # the padding reaches no loss, logprob, entropy, metric or token count.
+        return loss_fn(micro_batch, output_tensor[:, :columns])
+
+    return output, loss
 
 
 def run_schedule(
@@ -84,13 +117,14 @@ def run_schedule(
     if not micro_batches:
         raise ValueError("run_schedule needs at least one micro-batch")
     shape = micro_batches[0]["input_ids"].shape
+    multiple = layout_multiple(chunks)
     data = [iter(micro_batches) for _ in chunks]
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn),
+        forward_step_func=partial(_forward_step, loss_fn, multiple),
         data_iterator=data if len(chunks) > 1 else data[0],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
+        seq_length=max(padded_length(mb["input_ids"].shape[1], multiple) for mb in micro_batches),
         micro_batch_size=shape[0],
         forward_only=forward_only,
     )

@@ -111,3 +111,25 @@ def test_all_to_all_split_sizes_become_lists():
     seen["out"] = out
     assert ctx.output_split_sizes == [1, 2] and ctx.input_split_sizes == [2, 1]
     assert torch.equal(seen["out"], torch.ones(3))
+
+
+def test_torch_norms_take_sequence_parallelism_and_tag_their_weights():
+    # Megatron's WrappedTorchNorm asserts `not config.sequence_parallel`; on CPU it builds
+    # the same torch norm and tags its weight, so finalize_model_grads sums it over TP.
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def config(sequence_parallel):
+        return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                                 tensor_model_parallel_size=2 if sequence_parallel else 1,
+                                 sequence_parallel=sequence_parallel, use_cpu_initialization=True)
+
+    sp = config(True)
+    norm = WrappedTorchNorm(config=sp, hidden_size=8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
+    assert norm.weight.sequence_parallel is True
+    assert sp.sequence_parallel is True  # the model's config is left as it was
+    plain = WrappedTorchNorm(config=config(False), hidden_size=8, eps=1e-6)
+    assert not getattr(plain.weight, "sequence_parallel", False)
+    x = torch.randn(3, 8)
+    assert torch.equal(norm(x), plain(x))  # per token: where the sequence is cut changes nothing

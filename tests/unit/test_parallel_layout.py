@@ -22,7 +22,9 @@ def test_data_parallel_is_derived(layout, world, dp):
     "layout, world, message",
     [
         (dict(tp=2, pp=2), 6, "tp*pp*cp = 2*2*1 = 4 does not divide the world size 6"),
-        (dict(tp=3, cp=2), 8, "tp*pp*cp = 3*1*2 = 6 does not divide the world size 8"),
+        (dict(tp=3, pp=2), 8, "tp*pp*cp = 3*2*1 = 6 does not divide the world size 8"),
+        (dict(cp=2), 2, "parallel.cp=2: context parallelism is not supported; set parallel.cp=1"),
+        (dict(tp=2, cp=2), 8, "parallel.sequence_parallel=true"),  # what to use instead
         (dict(ep=3), 4, "etp*ep*pp = 1*3*1 = 3 does not divide the world size 4"),
         (dict(tp=2, ep=2, etp=2), 2, "etp*ep*pp = 2*2*1 = 4 does not divide the world size 2"),
         (dict(vpp=2), 2, "parallel.vpp=2 needs pipeline parallelism, but pp=1"),
@@ -60,6 +62,17 @@ def test_model_does_not_fit_layout(family, overrides, layout, message):
     # Building the Megatron config goes through the same check first.
     with pytest.raises(ParallelLayoutError):
         transformer_config_from_hf(hf, ParallelConfig(**layout))
+
+
+def test_context_parallelism_is_refused_before_any_process_starts(monkeypatch):
+    # RunConfig validates the layout at config time; init_distributed checks it again
+    # before it creates a process group.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ParallelLayoutError, match="context parallelism is not supported"):
+        init_distributed(ParallelConfig(cp=2))
+    assert not dist.is_initialized()
+    assert ParallelConfig(cp=1).validate(2) == 2
 
 
 def test_init_distributed_checks_before_creating_groups(monkeypatch):

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_agent.training.batch import TrainBatch, micro_batches_by_tokens
+from megatron_agent.training.batch import (
+    TrainBatch,
+    micro_batches_by_tokens,
+    padded_length,
+    sequence_multiple,
+)
 
 
 def test_from_sequences_places_response_tokens_on_target_positions():
@@ -44,3 +49,69 @@ def test_micro_batches_split_for_pipeline_stages_and_refuse_oversize():
     assert len(groups) == 2 and sorted(i for g in groups for i in g) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="a sequence of 30 tokens exceeds the micro-batch budget 20"):
         micro_batches_by_tokens(torch.tensor([30]), max_tokens=20)
+
+
+@pytest.mark.parametrize(
+    "layout, multiple",
+    [
+        (dict(), 1),
+        (dict(tp=2), 1),  # TP alone splits hidden sizes, not the sequence
+        (dict(tp=2, sequence_parallel=True), 2),
+        (dict(tp=4, sequence_parallel=True), 4),
+        (dict(fp8=True), 16),
+        (dict(tp=2, sequence_parallel=True, fp8=True), 16),  # lcm(2, 16)
+        (dict(tp=3, sequence_parallel=True, fp8=True), 48),  # lcm(3, 16)
+        (dict(cp=2), 4),  # 2 * cp chunks
+        (dict(cp=3, tp=2, sequence_parallel=True), 6),  # lcm(2, 6)
+        (dict(cp=4, tp=8, sequence_parallel=True, fp8=True), 16),  # lcm(8, 16, 8)
+        (dict(cp=3, tp=4, sequence_parallel=True, fp8=True), 48),  # lcm(4, 16, 6)
+    ],
+)
+def test_sequence_multiple_is_the_lcm_of_what_the_layout_needs(layout, multiple):
+    assert sequence_multiple(**layout) == multiple
+
+
+def test_padded_length_rounds_up():
+    assert [padded_length(n, 4) for n in (1, 3, 4, 5, 8, 9)] == [4, 4, 4, 8, 8, 12]
+    assert [padded_length(n, 1) for n in (1, 7)] == [1, 7]
+    assert padded_length(17, 16) == 32
+
+
+def test_micro_batch_budget_counts_the_padding():
+    lengths = torch.tensor([10, 9, 8])
+    # unpadded: 10 x 2 = 20 fits; padded to 16 input columns, a sequence costs 17 tokens
+    assert micro_batches_by_tokens(lengths, max_tokens=20) == [[0, 1], [2]]
+    assert micro_batches_by_tokens(lengths, max_tokens=20, multiple=16) == [[0], [1], [2]]
+    # multiple 2: 10 tokens -> 9 columns -> 10 columns + 1 = 11 tokens each; 3 x 11 = 33
+    assert micro_batches_by_tokens(lengths, max_tokens=33, multiple=2) == [[0, 1, 2]]
+    assert micro_batches_by_tokens(lengths, max_tokens=32, multiple=2) == [[0, 1], [2]]
+    # a sequence within the budget is never refused for its padding
+    assert micro_batches_by_tokens(torch.tensor([20]), max_tokens=20, multiple=16) == [[0]]
+
+
+def test_model_inputs_are_padded_on_the_right_with_counting_positions():
+    from megatron_agent.training.schedule import language_model_micro_batch, pad_model_inputs
+
+    mb = language_model_micro_batch(torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]))  # 3 input columns
+    ids, positions, labels = pad_model_inputs(mb, 8)
+    assert ids.tolist() == [[5, 6, 7, 0, 0, 0, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0]]
+    assert positions.tolist() == [list(range(8))] * 2
+    assert labels.tolist() == [[6, 7, 8, 0, 0, 0, 0, 0], [2, 3, 4, 0, 0, 0, 0, 0]]
+    same = pad_model_inputs(mb, 3)
+    assert same[0] is mb["input_ids"] and same[2] is mb["labels"]
+    no_labels = pad_model_inputs({"input_ids": mb["input_ids"], "position_ids": mb["position_ids"]}, 4)
+    assert no_labels[2] is None and no_labels[0].shape == (2, 4)
+
+
+def test_layout_multiple_reads_the_model_config():
+    from types import SimpleNamespace
+
+    from megatron_agent.training.schedule import layout_multiple
+
+    def model(**config):
+        fields = dict(tensor_model_parallel_size=1, sequence_parallel=False, fp8=None, context_parallel_size=1)
+        return SimpleNamespace(config=SimpleNamespace(**{**fields, **config}))
+
+    assert layout_multiple([model()]) == 1
+    assert layout_multiple([model(tensor_model_parallel_size=4, sequence_parallel=True)]) == 4
+    assert layout_multiple([model(tensor_model_parallel_size=2, sequence_parallel=True, fp8="hybrid")]) == 16
