@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The real SGLang server on CPU, for the tests against it (docs/testing.md): a venv of
+# its own, so its pinned transformers and friends never touch the project's.
+VENV_SGLANG   ?= .venv-sglang
+SGLANG_STAMP  := $(VENV_SGLANG)/.installed
+SGLANG_REQS   := tools/sglang_cpu/requirements.txt tools/sglang_cpu/constraints.txt
 
 .PHONY: train test test-fast bench doctor lint clean
 
@@ -14,11 +19,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# torch first (the CPU build), then sglang without its CUDA dependencies, then its light
+# dependencies pinned, with torch held at the CPU build (sglang's declared CUDA-only
+# dependencies stay missing on purpose: --no-warn-conflicts).
+$(SGLANG_STAMP): $(SGLANG_REQS)
+	$(PYTHON) -m venv $(VENV_SGLANG)
+	$(VENV_SGLANG)/bin/python -m pip install -q --upgrade pip
+	$(VENV_SGLANG)/bin/python -m pip install -q "torch==2.13.0"
+	$(VENV_SGLANG)/bin/python -m pip install -q --no-deps "sglang==0.5.23"
+	$(VENV_SGLANG)/bin/python -m pip install -q --no-warn-conflicts -r tools/sglang_cpu/requirements.txt \
+		-c tools/sglang_cpu/constraints.txt
+	touch $(SGLANG_STAMP)
+
 train: $(STAMP)
 	$(VENV)/bin/megatron-agent train $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
+test: $(STAMP) $(SGLANG_STAMP)
+	MEGATRON_AGENT_SGLANG_PYTHON=$${MEGATRON_AGENT_SGLANG_PYTHON:-$(abspath $(VENV_SGLANG))/bin/python} \
+		$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -n 2 -m "not slow and not multirank" $(ARGS)
@@ -33,4 +51,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV_SGLANG) .pytest_cache

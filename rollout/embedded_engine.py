@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.engine_guard import generation_problem
 from rollout.engine_weights import receive_tensors, weight_view
 from rollout.weight_group import (
     destroy_weight_update_group,
@@ -64,6 +65,7 @@ class Completion:
     finish_reason: dict  # {"type": "stop"|"length"|"abort", ...} as SGLang reports it
     prompt_tokens: int
     weight_version: str
+    rank: int = 0  # the engine rank that served it (engine_ranks.RankedEngine: 0..N-1)
 
 
 @dataclass
@@ -115,6 +117,8 @@ def pick_token(logits: torch.Tensor, row: _Row) -> tuple[int, float]:
 
 class Engine:
     """The model, the request queue and the batching worker; no HTTP."""
+    ranks = 1  # weight-update group ranks it joins as (engine_ranks.RankedEngine: more)
+    max_new_tokens_cap: int | None = None  # per request, beside the model's context; the server sets it
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,11 +147,12 @@ class Engine:
 
     # -- generation --------------------------------------------------------------------
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str) -> Request:
-        if not input_ids:
-            raise BadRequest("input_ids is empty")
-        vocab = self.model.get_input_embeddings().weight.shape[0]
-        if min(input_ids) < 0 or max(input_ids) >= vocab:
-            raise BadRequest(f"input_ids out of range [0, {vocab})")
+        problem = generation_problem(input_ids, params.max_new_tokens,
+                                     vocab_size=self.model.get_input_embeddings().weight.shape[0],
+                                     context_length=getattr(self.model.config, "max_position_embeddings", None),
+                                     max_new_tokens_cap=self.max_new_tokens_cap)
+        if problem:
+            raise BadRequest(problem)
         req = Request(list(map(int, input_ids)), params, rid)
         self.queue.put(req)
         return req
@@ -157,13 +162,11 @@ class Engine:
         if not (len(params) == len(rids) == len(prompts)):
             raise BadRequest("input_ids, sampling_params and rid differ in length")
         reqs = [self.submit(p, sp, rid) for p, sp, rid in zip(prompts, params, rids)]
-        results = []
         for req in reqs:
             req.done.wait()
             if req.error is not None:
                 raise RuntimeError(req.error)
-            results.append(req.result)
-        return results
+        return [req.result for req in reqs]
 
     def health_generate(self) -> None:
         """Generate one greedy token (a check that the worker runs)."""

@@ -10,6 +10,10 @@ A server that fails a request (connection refused or reset, timeout, HTTP 5xx) i
 marked dead, logged with a warning naming it, and its requests are re-sent to the
 others; when none is left `NoEngineLeft` is raised. `check_health()` revives servers
 that answer /health again. HTTP 4xx (a bad request) raises `EngineError` at once.
+
+Bodies are taken as the servers send them: JSON when it parses, else the text (SGLang's
+/flush_cache answers 200 with plain text); only the status code says whether a call
+failed, plus `"success": false` in a JSON answer.
 """
 
 from __future__ import annotations
@@ -53,9 +57,20 @@ class GenerateOutput:
     server: str
 
 
+def _decode(raw: bytes) -> object:
+    """A response body: parsed JSON, else its text (None when empty)."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return raw.decode(errors="replace")
+
+
 def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: float = 30.0,
               token: str | None = None) -> tuple[int, object]:
-    """One HTTP call; (status, parsed JSON body). Transport failures raise OSError."""
+    """One HTTP call; (status, body): the JSON body parsed, or its text when it is not
+    JSON (SGLang answers some calls in plain text). Transport failures raise OSError."""
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -63,14 +78,9 @@ def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: flo
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with _OPENER.open(req, timeout=timeout_s) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
+            return resp.status, _decode(resp.read())
     except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw) if raw else None
-        except json.JSONDecodeError:
-            return e.code, raw.decode(errors="replace")
+        return e.code, _decode(e.read())
 
 
 class EngineClient:
@@ -172,6 +182,10 @@ class EngineClient:
             raise _ServerFailed(f"HTTP {status}: {payload}")
         if status != 200:
             raise EngineError(f"{url}/generate answered HTTP {status}: {payload}")
+        if isinstance(payload, dict):  # one prompt: SGLang may answer with the object alone
+            payload = [payload]
+        if not isinstance(payload, list) or len(payload) != len(input_ids):
+            raise _ServerFailed(f"garbled /generate answer for {len(input_ids)} prompt(s): {str(payload)[:200]}")
         outs = []
         for item in payload:
             meta = item["meta_info"]
@@ -262,20 +276,66 @@ class EngineClient:
         threading.Thread(target=gather, daemon=True).start()
         return done
 
+    def server_ranks(self, urls: Sequence[str] | None = None, timeout_s: float = 30.0) -> dict[str, int]:
+        """How many ranks each server (default: the live ones) puts in a weight-update
+        group. An SGLang server joins with every TP rank, at `rank_offset + tp_rank`, so
+        its count is `tp_size`, read from `/server_info` (SGLang), else
+        `/get_server_info` (older SGLang; the embedded engine); 1 when neither reports
+        it. A server with pipeline stages is refused: SGLang (0.5.23) numbers only the TP
+        rank, so its stages would claim the same ranks of the group."""
+        if urls is None:
+            with self.lock:
+                urls = list(self.alive)
+        futures = {u: self.pool.submit(self._server_info, u, timeout_s) for u in urls}
+        ranks = {}
+        for url, fut in futures.items():
+            info = fut.result()
+            tp, pp = int(info.get("tp_size") or 1), int(info.get("pp_size") or 1)
+            if pp > 1:
+                raise EngineError(f"{url} runs {pp} pipeline stages: its stages would join the weight-update "
+                                  "group at the same ranks (rank_offset + tp_rank); serve with --pp-size 1")
+            ranks[url] = tp
+        return ranks
+
+    def _server_info(self, url: str, timeout_s: float) -> dict:
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                status, info = self._call(url, path, None, timeout_s)
+            except _ServerFailed as e:
+                raise EngineError(f"{url}{path}: {e}") from None
+            if status == 200 and isinstance(info, dict):
+                return info
+            if status != 404:
+                raise EngineError(f"{url}{path} answered HTTP {status}: {str(info)[:200]}")
+        return {}
+
     def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
-                                  backend: str = "gloo", ranks_per_server: int = 1,
+                                  backend: str = "gloo", ranks_per_server: int | dict[str, int] | None = None,
                                   timeout_s: float = 300.0) -> tuple[Future, int]:
         """Ask every live server to join the weight-update group. Returns (future,
         world_size); the trainer joins as rank 0 (`weight_group.init_weight_update_group`)
-        while the future is pending, then waits on it. Server i takes ranks
-        1 + i * ranks_per_server ... (ranks_per_server = its TP size)."""
+        while the future is pending, then waits on it. Each server joins with its ranks
+        at consecutive offsets: server i at `1 + sum(ranks of servers before it)`, so the
+        world size is 1 + every rank of every server. `ranks_per_server`: one count for
+        all, a count per URL, or None to ask each server (`server_ranks`)."""
         with self.lock:
             urls = list(self.alive)
-        world_size = 1 + ranks_per_server * len(urls)
+        if ranks_per_server is None:
+            ranks = self.server_ranks(urls)
+        elif isinstance(ranks_per_server, int):
+            ranks = dict.fromkeys(urls, ranks_per_server)
+        else:  # servers not named (revived since) are asked
+            ranks = {u: int(ranks_per_server[u]) for u in urls if u in ranks_per_server}
+            ranks.update(self.server_ranks([u for u in urls if u not in ranks]) if len(ranks) < len(urls) else {})
+        offsets, next_rank = {}, 1
+        for u in urls:
+            offsets[u] = next_rank
+            next_rank += ranks[u]
+        world_size = next_rank
         bodies = {u: {"master_address": master_address, "master_port": int(master_port),
-                      "rank_offset": 1 + i * ranks_per_server, "world_size": world_size,
+                      "rank_offset": offsets[u], "world_size": world_size,
                       "group_name": group_name, "backend": backend}
-                  for i, u in enumerate(urls)}
+                  for u in urls}
         return self.post_all_async("/init_weights_update_group", bodies=bodies, timeout_s=timeout_s), world_size
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],

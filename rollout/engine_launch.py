@@ -9,10 +9,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.engine_client import EngineClient, http_json
+from rollout.engine_guard import require_token, resolve_token
 from rollout.processes import die_with_parent, free_port
 
 _PORT_RETRIES = 3
@@ -31,10 +33,13 @@ class EngineConfig:
     host: str = "127.0.0.1"
     timeout_s: float = 300.0
     max_attempts: int = 3  # per request, across servers
-    # Sent as `Authorization: Bearer <token>`; engines bound beyond 127.0.0.1 require it on
-    # weight-update calls. None: read MEGATRON_AGENT_ENGINE_TOKEN.
+    # Sent as `Authorization: Bearer <token>` (SGLang: --api-key). An engine bound beyond
+    # loopback refuses to start without one; with one, weight-update and control calls need
+    # it (docs/security.md). None: read MEGATRON_AGENT_ENGINE_TOKEN.
     auth_token: str | None = None
-    threads_per_engine: int = 1
+    threads_per_engine: int = 1  # per rank
+    # Weight-update ranks of each embedded engine (replicas, `--ranks`); SGLang's is its TP size.
+    ranks_per_engine: int = 1
     max_batch_size: int = 256
     dtype: str = "float32"
     # What the driver starts when `urls` is empty: "embedded" (this project's CPU engine)
@@ -70,7 +75,8 @@ class EngineProcess:
 
 
 def _start(model_path: str, host: str, threads: int, max_batch_size: int, dtype: str, token: str | None,
-           log_dir: Path, index: int) -> tuple[subprocess.Popen, int, Path]:
+           log_dir: Path, index: int, ranks: int = 1,
+           allowed_weight_dirs: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int, Path]:
     port = free_port()
     log_path = log_dir / f"engine-{index}-{port}.log"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
@@ -78,7 +84,8 @@ def _start(model_path: str, host: str, threads: int, max_batch_size: int, dtype:
         env["MEGATRON_AGENT_ENGINE_TOKEN"] = token
     cmd = [sys.executable, "-m", "rollout.engine_server", "--model", str(model_path), "--host", host,
            "--port", str(port), "--threads", str(threads), "--max-batch-size", str(max_batch_size),
-           "--dtype", dtype]
+           "--dtype", dtype, *(["--ranks", str(ranks)] if ranks != 1 else []),
+           *(["--allowed-weight-dirs", *allowed_weight_dirs] if allowed_weight_dirs else [])]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=str(Path(__file__).resolve().parent.parent), preexec_fn=die_with_parent)
@@ -87,9 +94,15 @@ def _start(model_path: str, host: str, threads: int, max_batch_size: int, dtype:
 
 def launch_engines(model_path: str | Path, num_engines: int = 1, *, host: str = "127.0.0.1",
                    threads: int = 1, max_batch_size: int = 256, dtype: str = "float32",
-                   token: str | None = None, timeout_s: float = 120.0, log_dir: str | Path | None = None) -> list[EngineProcess]:
-    """Start `num_engines` embedded engines on free ports; return once all answer /health."""
+                   token: str | None = None, timeout_s: float = 120.0, log_dir: str | Path | None = None,
+                   ranks: int = 1, allowed_weight_dirs: Sequence[str | Path] = ()) -> list[EngineProcess]:
+    """Start `num_engines` embedded engines (of `ranks` weight-update ranks each) on free
+    ports; return once all answer /health. /update_weights_from_disk loads, without the
+    token, from the model's directory and `allowed_weight_dirs`. Bound beyond loopback
+    without a token (`token`, else MEGATRON_AGENT_ENGINE_TOKEN): `InsecureBind`."""
+    require_token(host, resolve_token(token), "an embedded engine")
     model_path = Path(model_path).resolve()  # the engine processes may run elsewhere
+    weight_dirs = tuple(dict.fromkeys(str(Path(d).resolve()) for d in (model_path, *allowed_weight_dirs)))
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="engines-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     started: list[EngineProcess] = []
@@ -97,7 +110,7 @@ def launch_engines(model_path: str | Path, num_engines: int = 1, *, host: str = 
         for i in range(num_engines):
             for attempt in range(_PORT_RETRIES):
                 proc, port, log_path = _start(str(model_path), host, threads, max_batch_size, dtype, token,
-                                                log_dir, i)
+                                                log_dir, i, ranks, weight_dirs)
                 url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
                 engine = EngineProcess(f"http://{url_host}:{port}", proc, log_path)
                 if wait_healthy(engine, timeout_s):
@@ -135,18 +148,25 @@ def stop_engines(engines: list[EngineProcess]) -> None:
 
 def launch_embedded_engines(config: EngineConfig, model_path: str | Path,
                             log_dir: str | Path | None = None) -> list[EngineProcess]:
-    """The driver's default engine launcher: `config.num_engines` embedded engines here."""
+    """The driver's default engine launcher: `config.num_engines` embedded engines here.
+    `log_dir` is the run directory's `engines/` folder: the run directory (its parent) and
+    the model's directory are where the engines may load weights from disk."""
     return launch_engines(model_path, config.num_engines, host=config.host, threads=config.threads_per_engine,
                           max_batch_size=config.max_batch_size, dtype=config.dtype, token=config.auth_token,
-                          log_dir=log_dir)
+                          log_dir=log_dir, ranks=config.ranks_per_engine,
+                          allowed_weight_dirs=[Path(log_dir).parent] if log_dir else ())
 
 
 def sglang_server_command(config: EngineConfig, model_path: str | Path, port: int) -> list[str]:
-    """The command line of one SGLang server (GPU machines; the `gpu` extra installs it)."""
+    """The command line of one SGLang server (GPU machines; the `gpu` extra installs it).
+    Bound beyond loopback it needs an API key (`config.auth_token`, else
+    MEGATRON_AGENT_ENGINE_TOKEN): `InsecureBind` otherwise."""
+    token = resolve_token(config.auth_token)
+    require_token(config.host, token, "an SGLang server")
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", config.host,
             "--port", str(port), "--tp-size", str(max(1, config.gpus_per_engine)), "--dtype", config.dtype,
             "--max-running-requests", str(config.max_batch_size),
-            *(["--api-key", config.auth_token] if config.auth_token else []), *config.server_args]
+            *(["--api-key", token] if token else []), *config.server_args]
 
 
 def start_sglang_server(config: EngineConfig, model_path: str | Path, log_dir: str | Path,
@@ -167,6 +187,133 @@ def start_sglang_server(config: EngineConfig, model_path: str | Path, log_dir: s
         raise RuntimeError(f"SGLang server {index} did not start; its log ({log_path}):\n"
                            + log_path.read_text()[-3000:])
     return engine
+
+
+# --- SGLang on CPU: the real server, in a venv of its own (tests, CPU-only machines) ---
+
+SGLANG_PYTHON_ENV = "MEGATRON_AGENT_SGLANG_PYTHON"  # the Python of a venv with SGLang installed
+SGLANG_CPU_SHIM_ENV = "MEGATRON_AGENT_SGLANG_CPU_SHIM"  # turns tools/sglang_cpu/sitecustomize.py on
+_CHECKOUT = Path(__file__).resolve().parent.parent
+SGLANG_CPU_TOOLS = _CHECKOUT / "tools" / "sglang_cpu"
+SGLANG_CPU_VENV = _CHECKOUT / ".venv-sglang"  # `make test` installs it (Makefile: $(VENV_SGLANG))
+
+
+class SGLangCPUServer(EngineProcess):
+    """An SGLang server started in a session of its own. It forks a scheduler per rank
+    and a detokenizer, so stop() and kill() signal its whole process group."""
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self) -> None:
+        import signal
+
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # children that outlived the server
+        self.proc.wait()
+
+
+def sglang_cpu_python() -> str | None:
+    """The Python that runs SGLang on CPU: $MEGATRON_AGENT_SGLANG_PYTHON, else this
+    checkout's `.venv-sglang` when it exists, else None."""
+    explicit = os.environ.get(SGLANG_PYTHON_ENV)
+    if explicit:
+        return explicit
+    python = SGLANG_CPU_VENV / "bin" / "python"
+    return str(python) if python.exists() else None
+
+
+def cpu_binding(ranks: int, cpus: list[int] | None = None) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks: the cores this process may run on,
+    split in contiguous shares, one per rank ("0|1": 2 ranks on 2 cores; "0-1|2-3": 2
+    on 4). With fewer cores than ranks, ranks share cores."""
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    shares = []
+    for r in range(ranks):
+        share = cpus[r * len(cpus) // ranks:(r + 1) * len(cpus) // ranks] or [cpus[r % len(cpus)]]
+        runs: list[list[int]] = []
+        for cpu in share:
+            if runs and cpu == runs[-1][-1] + 1:
+                runs[-1].append(cpu)
+            else:
+                runs.append([cpu])
+        shares.append(",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs))
+    return "|".join(shares)
+
+
+def sglang_cpu_environment(tp_size: int = 1, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an SGLang server on CPU: its CPU engine, the placeholder modules
+    for `sgl_kernel` and `torchvision` (tools/sglang_cpu/sitecustomize.py, on PYTHONPATH),
+    and with TP > 1 the cores of each rank (SGLang refuses more ranks than NUMA nodes
+    without them)."""
+    env = dict(os.environ if base is None else base)
+    env.update({"SGLANG_USE_CPU_ENGINE": "1", SGLANG_CPU_SHIM_ENV: "1", "TOKENIZERS_PARALLELISM": "false"})
+    env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_CPU_TOOLS), *filter(None, [env.get("PYTHONPATH")])])
+    if tp_size > 1:
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_binding(tp_size))
+    return env
+
+
+def sglang_cpu_command(model_path: str | Path, port: int, *, python: str | None = None, host: str = "127.0.0.1",
+                       tp_size: int = 1, dtype: str = "float32", mem_fraction_static: float = 0.05,
+                       max_total_tokens: int = 20000, auth_token: str | None = None,
+                       extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The command line of one SGLang server on CPU (torch-native attention, no CUDA
+    graphs, a small KV pool). Bound beyond loopback it needs an API key (`auth_token`,
+    else MEGATRON_AGENT_ENGINE_TOKEN): `InsecureBind` otherwise."""
+    token = resolve_token(auth_token)
+    require_token(host, token, "an SGLang server")
+    return [python or sglang_cpu_python() or sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(model_path), "--host", host, "--port", str(port), "--tp-size", str(tp_size),
+            "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", dtype,
+            "--mem-fraction-static", str(mem_fraction_static), "--max-total-tokens", str(max_total_tokens),
+            *(["--api-key", token] if token else []), *extra_args]
+
+
+def start_sglang_cpu_server(model_path: str | Path, *, tp_size: int = 1, python: str | None = None,
+                            host: str = "127.0.0.1", log_dir: str | Path | None = None, timeout_s: float = 300.0,
+                            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                            **command_args) -> SGLangCPUServer:
+    """Start SGLang on CPU on a free port, in its own session, and wait for /health.
+    `python`: the SGLang venv's (default `sglang_cpu_python()`). Stop it with `.stop()`."""
+    python = python or sglang_cpu_python()
+    if python is None:
+        raise FileNotFoundError(f"no SGLang venv: run `make {SGLANG_CPU_VENV.name}/.installed` or set "
+                                f"{SGLANG_PYTHON_ENV} to a Python with sglang installed")
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sglang-cpu-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(_PORT_RETRIES):
+        port = free_port()
+        log_path = log_dir / f"sglang-cpu-tp{tp_size}-{port}.log"
+        cmd = sglang_cpu_command(Path(model_path).resolve(), port, python=python, host=host, tp_size=tp_size,
+                                 extra_args=tuple(extra_args), **command_args)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env=sglang_cpu_environment(tp_size, env), start_new_session=True,
+                                    preexec_fn=die_with_parent)
+        url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        server = SGLangCPUServer(f"http://{url_host}:{port}", proc, log_path)
+        if wait_healthy(server, timeout_s):
+            return server
+        server.stop()
+        if attempt == _PORT_RETRIES - 1 or "address already in use" not in log_path.read_text().lower():
+            raise RuntimeError(f"SGLang on CPU (tp {tp_size}) did not start; its log ({log_path}):\n"
+                               + log_path.read_text()[-4000:])
+    raise AssertionError("unreachable")
 
 
 def engine_client(config: EngineConfig, urls: list[str]) -> EngineClient:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,9 @@ class WeightSync:
         self.group = None
         self.group_name = None
         self.generation = 0  # bumps when groups are rebuilt
+        # in every group name: a long-lived server (SGLang's) refuses a name it still holds,
+        # e.g. from an earlier trainer that died without destroying its group
+        self.instance = uuid.uuid4().hex[:8]
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """New engine addresses (restarted engines); the next sync reconnects."""
@@ -84,16 +88,23 @@ class WeightSync:
         from rollout.weight_group import init_weight_update_group
 
         self.generation += 1
-        self.group_name = f"megatron-agent-weights-stage{self.pp_rank}-{self.generation}"
+        self.group_name = f"megatron-agent-weights-{self.instance}-stage{self.pp_rank}-{self.generation}"
         port = free_port()
+        # every rank of every engine is a member (an SGLang server joins with each TP rank)
+        ranks = self._client().server_ranks(timeout_s=min(30.0, self.config.timeout_s))
         pending, world = self._client().init_weights_update_group(
             self.config.master_address, port, self.group_name, backend=self.backend,
-            timeout_s=self.config.timeout_s,
+            ranks_per_server=ranks, timeout_s=self.config.timeout_s,
         )
         self.group = init_weight_update_group(self.config.master_address, port, 0, world, self.group_name,
                                               backend=self.backend, timeout_s=self.config.timeout_s)
         pending.result(timeout=self.config.timeout_s)
-        log.info("stage %d joined %d engine(s) in %s", self.pp_rank, world - 1, self.group_name)
+        log.info("stage %d joined %d engine(s) (%d ranks: %s) in %s", self.pp_rank, len(ranks), world - 1,
+                 ranks, self.group_name)
+
+    def close(self) -> None:
+        """Leave the weight-update groups, on the engines too (they outlive the trainer)."""
+        self._disconnect()
 
     def _disconnect(self) -> None:
         from rollout.weight_group import destroy_weight_update_group

@@ -127,3 +127,12 @@ def test_flattened_bucket_round_trip():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="bytes"):
         unflatten_bucket(bucket, [torch.float32], [[3, 4]])
+
+
+def test_one_rank_engine_reports_tp_size_1_and_its_checksums(engine):
+    from rollout.engine_server import ROUTES
+
+    info = ROUTES[("GET", "/get_server_info")](engine, {})
+    assert info["tp_size"] == 1 and info["pp_size"] == 1 and info["model_path"] == engine.model_path
+    answer = ROUTES[("POST", "/weights_checksum")](engine, {"names": ["lm_head.weight"], "per_rank": True})
+    assert answer["rank_checksums"] == [engine.weight_checksums(["lm_head.weight"])]

@@ -14,11 +14,16 @@ from rollout.engine_client import EngineClient, EngineError, NoEngineLeft
 
 
 class FakeServer:
-    """Answers /generate with output_ids [prompt length, server index]."""
+    """Answers /generate with output_ids [prompt length, server index]; `info` on the
+    `info_paths` (SGLang's server-info calls, 404 elsewhere); `replies` overrides the
+    body of a POST path (a str is sent as plain text, as SGLang's /flush_cache does)."""
 
     def __init__(self, index: int, mode: str = "ok"):
         self.index, self.mode = index, mode
         self.calls: list[tuple[str, dict]] = []
+        self.info: dict = {}
+        self.info_paths: tuple[str, ...] = ("/server_info", "/get_server_info")
+        self.replies: dict[str, object] = {}
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -28,7 +33,7 @@ class FakeServer:
                 pass
 
             def _reply(self, code, payload):
-                data = json.dumps(payload).encode()
+                data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -36,6 +41,10 @@ class FakeServer:
 
             def do_GET(self):
                 fake.calls.append((self.path, {}))
+                if self.path in ("/server_info", "/get_server_info") and fake.mode == "ok":
+                    if self.path not in fake.info_paths:
+                        return self._reply(404, {"detail": "Not Found"})
+                    return self._reply(200, fake.info)
                 self._reply(200 if fake.mode == "ok" else 503, {})
 
             def do_POST(self):
@@ -47,6 +56,8 @@ class FakeServer:
                     return
                 if fake.mode == "bad":
                     return self._reply(400, {"message": "bad"})
+                if self.path in fake.replies:
+                    return self._reply(200, fake.replies[self.path])
                 if self.path != "/generate":
                     return self._reply(200, {"success": True, "auth": self.headers.get("Authorization")})
                 outs = [{"text": "x", "output_ids": [len(ids), fake.index],
@@ -61,6 +72,9 @@ class FakeServer:
 
     def generate_calls(self):
         return [b for p, b in self.calls if p == "/generate"]
+
+    def last(self, path: str) -> dict:
+        return [b for p, b in self.calls if p == path][-1]
 
     def stop(self):
         self.server.shutdown()
@@ -164,6 +178,57 @@ def test_weight_update_calls_reach_every_server_with_their_ranks_and_token(serve
     assert a.calls[-1] == ("/pause_generation", {"mode": "in_place"})
     client.destroy_weights_update_group("wu")
     assert b.calls[-1] == ("/destroy_weights_update_group", {"group_name": "wu"})
+
+
+def test_update_group_counts_every_rank_of_every_server(servers):
+    a, b, c = servers("ok", "ok", "ok")
+    a.info = {"tp_size": 2, "pp_size": 1, "dp_size": 1}  # SGLang: /server_info
+    b.info, b.info_paths = {"tp_size": 4}, ("/get_server_info",)  # older SGLang, the embedded engine
+    c.info_paths = ()  # reports nothing: one rank
+    client = EngineClient([a.url, b.url, c.url])
+    assert client.server_ranks() == {a.url: 2, b.url: 4, c.url: 1}
+
+    def offsets(**kwargs):
+        pending, world_size = client.init_weights_update_group("127.0.0.1", 1234, "wu", **kwargs)
+        pending.result(timeout=10)
+        bodies = [s.last("/init_weights_update_group") for s in (a, b, c)]
+        assert all(body["world_size"] == world_size for body in bodies)
+        return [body["rank_offset"] for body in bodies], world_size
+
+    assert offsets() == ([1, 3, 7], 8)  # asked: 1 (the trainer) + 2 + 4 + 1
+    assert offsets(ranks_per_server={a.url: 1, b.url: 3, c.url: 2}) == ([1, 2, 5], 7)
+    assert offsets(ranks_per_server=2) == ([1, 3, 5], 7)
+    assert offsets(ranks_per_server={a.url: 2}) == ([1, 3, 7], 8)  # the others asked
+
+
+def test_update_group_skips_dead_servers_and_refuses_pipeline_stages(servers):
+    a, b = servers("ok", "ok")
+    a.info = b.info = {"tp_size": 2}
+    client = EngineClient([a.url, b.url])
+    client._mark_dead(a.url, "test")
+    pending, world_size = client.init_weights_update_group("127.0.0.1", 1234, "wu")
+    pending.result(timeout=10)
+    assert world_size == 3 and b.last("/init_weights_update_group")["rank_offset"] == 1
+    assert not [p for p, _ in a.calls if p == "/init_weights_update_group"]
+    b.info = {"tp_size": 2, "pp_size": 2}
+    with pytest.raises(EngineError, match="2 pipeline stages"):
+        client.init_weights_update_group("127.0.0.1", 1234, "wu")
+
+
+def test_plain_text_and_status_bodies_are_answers_not_failures(servers):
+    """What the real SGLang server sends: /flush_cache in plain text, pause/continue as
+    {"status": "ok"}; the engine stays live."""
+    a, b = servers("ok", "ok")
+    for s in (a, b):
+        s.replies = {"/flush_cache": "Cache flushed.\nPlease check backend logs for more details.\n",
+                     "/pause_generation": {"message": "Generation paused successfully.", "status": "ok"},
+                     "/continue_generation": {"message": "Generation continued successfully.", "status": "ok"}}
+    client = EngineClient([a.url, b.url])
+    assert client.flush_cache() == ["Cache flushed.\nPlease check backend logs for more details.\n"] * 2
+    assert [r["status"] for r in client.pause_generation("abort")] == ["ok", "ok"]
+    client.continue_generation()
+    assert client.alive == [a.url, b.url] and client.dead_events == []
+    assert client.generate([[1, 2]], {})[0].output_ids[0] == 2
 
 
 def test_a_refused_control_call_raises(servers):

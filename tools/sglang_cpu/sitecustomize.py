@@ -1,0 +1,86 @@
+"""Placeholder modules for SGLang on a CPU-only machine.
+
+SGLang 0.5.23 imports `sgl_kernel` (CUDA kernels) and `torchvision` at start-up, but
+its CPU path (`SGLANG_USE_CPU_ENGINE=1`, torch_native attention) never calls them.
+Neither has a CPU wheel that fits the pinned torch, so this file, put on PYTHONPATH
+of the server only (`rollout.engine_launch.sglang_cpu_environment`), installs an
+import hook that answers those two names, and their submodules, with placeholders:
+any attribute is a placeholder class, usable as a base class, callable, and with
+placeholder attributes of its own.
+
+It does nothing unless MEGATRON_AGENT_SGLANG_CPU_SHIM=1, and a module that is really
+installed is always found first (the hook is the last finder asked).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+
+ENV_FLAG = "MEGATRON_AGENT_SGLANG_CPU_SHIM"
+PLACEHOLDER_TOP_LEVEL = ("sgl_kernel", "torchvision")
+PLACEHOLDER_VERSION = "0.0.0"
+
+
+class _PlaceholderType(type):
+    """Classes whose missing attributes are more placeholder classes."""
+
+    def __getattr__(cls, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _placeholder(f"{cls.__qualname__}.{name}", cls.__module__)
+
+
+def _placeholder(qualname: str, module: str) -> type:
+    def _init(self, *args, **kwargs):
+        pass
+
+    def _call(self, *args, **kwargs):
+        raise RuntimeError(f"{module}.{qualname} is a CPU placeholder (tools/sglang_cpu/sitecustomize.py) "
+                           "and cannot run")
+
+    cls = _PlaceholderType(qualname.rsplit(".", 1)[-1], (), {"__init__": _init, "__call__": _call,
+                                                              "__module__": module})
+    cls.__qualname__ = qualname
+    return cls
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(name, self.__name__)
+        setattr(self, name, value)
+        return value
+
+
+class _PlaceholderLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        module = _PlaceholderModule(spec.name)
+        module.__path__ = []  # a package: submodules import too
+        # version checks (transformers parses torchvision's) see a release older than any
+        # they ask for, so they take their paths that need neither module
+        module.__version__ = PLACEHOLDER_VERSION
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+class _PlaceholderFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] not in PLACEHOLDER_TOP_LEVEL:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _PlaceholderLoader(), is_package=True)
+
+
+def install() -> None:
+    if not any(isinstance(f, _PlaceholderFinder) for f in sys.meta_path):
+        sys.meta_path.append(_PlaceholderFinder())
+
+
+if os.environ.get(ENV_FLAG) == "1":
+    install()
