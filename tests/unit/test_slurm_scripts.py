@@ -24,8 +24,8 @@ TRAIN = SLURM_DIR / "train.sbatch"
 FLEET = SLURM_DIR / "sglang_fleet.sbatch"
 
 LOG_CALL = 'name=$(basename "$0"); (IFS=$\'\\t\'; printf "%s\\n" "$name${IFS}$*") >>"$STUB_LOG"\n'
-LOG_ENV = ('echo "$name:$1 RAY_ADDRESS=$RAY_ADDRESS RAY_AUTH_MODE=$RAY_AUTH_MODE RAY_AUTH_TOKEN=$RAY_AUTH_TOKEN"'
-           ' >>"$STUB_LOG.env"\n')
+LOG_ENV = ('echo "$name:$1 MEGATRON_AGENT_ENGINE_TOKEN=$MEGATRON_AGENT_ENGINE_TOKEN RAY_ADDRESS=$RAY_ADDRESS'
+           ' RAY_AUTH_MODE=$RAY_AUTH_MODE RAY_AUTH_TOKEN=$RAY_AUTH_TOKEN" >>"$STUB_LOG.env"\n')
 
 STUBS = {
     "scontrol": """
@@ -105,6 +105,26 @@ def calls(tmp_path: Path, name: str | None = None) -> list[list[str]]:
 def train_argv(tmp_path: Path) -> list[str]:
     (row,) = calls(tmp_path, "megatron-agent")
     return row[1:]
+
+
+def env_rows(tmp_path: Path) -> list[tuple[str, dict[str, str]]]:
+    """What the ray and megatron-agent stubs saw in their environment: ("name:first arg", variables)."""
+    log = tmp_path / "calls.log.env"
+    rows = log.read_text().splitlines() if log.exists() else []
+    return [(row.split()[0], dict(field.split("=", 1) for field in row.split()[1:])) for row in rows]
+
+
+def engine_keys(tmp_path: Path) -> dict[str, set[str]]:
+    """MEGATRON_AGENT_ENGINE_TOKEN as each stubbed command saw it."""
+    keys: dict[str, set[str]] = {}
+    for name, variables in env_rows(tmp_path):
+        keys.setdefault(name, set()).add(variables["MEGATRON_AGENT_ENGINE_TOKEN"])
+    return keys
+
+
+def write_key(path: Path, key: str) -> None:
+    path.write_text(key + "\n")
+    path.chmod(0o600)
 
 
 def test_every_sbatch_script_parses():
@@ -206,12 +226,60 @@ def test_train_colocated_uses_every_gpu_for_training_and_engines(stubs):
 def test_train_uses_the_fleet_urls_and_resumes_in_place(stubs):
     urls = stubs / "fleet.urls"
     urls.write_text("http://node7:30000\nhttp://node7:30001\n\n")
+    write_key(stubs / "fleet.urls.key", "f1eet" * 8)
     result = run_train(stubs, ENGINE_GPUS="0", ENGINE_URLS_FILE=str(urls), RESUME="runs/old")
     assert result.returncode == 0, result.stderr
     argv = train_argv(stubs)
     assert "engine.urls=[http://node7:30000,http://node7:30001]" in argv
     assert not any(a.startswith(("engine.num_engines", "engine.gpus_per_engine")) for a in argv)
     assert {"placement.trainer_ranks=16", "run_dir=runs/old", "resume=runs/old"} <= set(argv)
+
+
+def test_train_hands_its_engines_a_fresh_key_through_ray_unprinted(stubs):
+    result = run_train(stubs)
+    assert result.returncode == 0, result.stderr
+    keys = engine_keys(stubs)
+    (key,) = set().union(*keys.values())  # one key for the job, in every Ray process and the driver
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    assert {"ray:start", "ray:status", "megatron-agent:train"} <= set(keys)
+    assert key not in result.stdout + result.stderr
+    assert not any(key in arg for arg in train_argv(stubs))  # not an override: config.json would keep it
+    ray_token = {v["RAY_AUTH_TOKEN"] for _, v in env_rows(stubs)}
+    assert key not in ray_token
+    # A key given in the environment is used as is.
+    (stubs / "calls.log.env").unlink()
+    assert run_train(stubs, MEGATRON_AGENT_ENGINE_TOKEN="mine").returncode == 0
+    assert set().union(*engine_keys(stubs).values()) == {"mine"}
+
+
+def test_train_passes_the_fleet_key_to_ray_and_the_trainer_unprinted(stubs):
+    urls = stubs / "fleet.urls"
+    urls.write_text("http://node7:30000\n")
+    write_key(stubs / "fleet.urls.key", "k" * 64)
+    result = run_train(stubs, ENGINE_GPUS="0", ENGINE_URLS_FILE=str(urls), MEGATRON_AGENT_ENGINE_TOKEN="stale")
+    assert result.returncode == 0, result.stderr
+    keys = engine_keys(stubs)
+    assert keys["ray:start"] == keys["megatron-agent:train"] == {"k" * 64}  # the fleet's key wins
+    assert "k" * 64 not in result.stdout + result.stderr
+    # ENGINE_KEY_FILE names another file.
+    write_key(stubs / "elsewhere.key", "e" * 64)
+    (stubs / "calls.log.env").unlink()
+    result = run_train(stubs, ENGINE_GPUS="0", ENGINE_URLS_FILE=str(urls), ENGINE_KEY_FILE=str(stubs / "elsewhere.key"))
+    assert result.returncode == 0, result.stderr
+    assert engine_keys(stubs)["megatron-agent:train"] == {"e" * 64}
+
+
+def test_train_refuses_a_fleet_without_its_key(stubs):
+    urls = stubs / "fleet.urls"
+    urls.write_text("http://node7:30000\n")
+    result = run_train(stubs, ENGINE_GPUS="0", ENGINE_URLS_FILE=str(urls), MEGATRON_AGENT_ENGINE_TOKEN="guess")
+    assert result.returncode != 0
+    assert f"ENGINE_KEY_FILE={urls}.key is missing or empty" in result.stderr
+    assert calls(stubs, "srun") == [] and calls(stubs, "ray") == [] and calls(stubs, "megatron-agent") == []
+    (stubs / "fleet.urls.key").write_text("\n")
+    result = run_train(stubs, ENGINE_GPUS="0", ENGINE_URLS_FILE=str(urls))
+    assert result.returncode != 0 and "holds no key" in result.stderr
+    assert calls(stubs, "megatron-agent") == []
 
 
 def test_train_waits_for_the_fleet_urls_file_and_gives_up(stubs):
@@ -249,6 +317,53 @@ def test_fleet_writes_urls_when_healthy_and_removes_them_on_cancel(stubs):
                         ("--base-gpu-id", "4"), ("--mem-fraction-static", "0.8")]:
         assert second[second.index(flag) + 1] == value
     assert len(calls(stubs, "curl")) >= 4
+
+
+def test_fleet_makes_a_key_for_every_server_and_hands_it_over_unprinted(stubs):
+    urls, key_file = stubs / "runs" / "fleet.urls", stubs / "runs" / "fleet.urls.key"
+    env = base_env(stubs, MODEL_PATH="/models/q", TP_SIZE="4", URLS_FILE=str(urls),
+                   MEGATRON_AGENT_ENGINE_TOKEN="from-the-submit-environment")
+    proc = subprocess.Popen(["bash", str(FLEET)], env=env, cwd=stubs, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not urls.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert urls.exists(), proc.stderr.read() if proc.poll() is not None else "no URL file"
+        key = key_file.read_text().strip()
+        assert re.fullmatch(r"[0-9a-f]{64}", key)  # a fresh key, not the one in the environment
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert key not in out + err  # never in the job's log
+    assert not key_file.exists() and not urls.exists()  # removed with the fleet
+    servers = calls(stubs, "python")
+    assert len(servers) == 4
+    for row in servers:
+        assert row[1:3] == ["-m", "sglang.launch_server"]
+        assert row[row.index("--api-key") + 1] == key and row.count("--api-key") == 1
+        assert row[row.index("--host") + 1] == "0.0.0.0"
+    assert all(key not in "\t".join(row) for row in calls(stubs, "srun"))  # off srun's recorded command line
+
+
+def test_fleet_step_refuses_to_start_a_server_without_the_key(stubs):
+    # The snippet each srun step runs, given an environment without the key.
+    text = FLEET.read_text()
+    snippet = re.search(r"^with_key='(.*)'$", text, re.M).group(1)
+    result = subprocess.run(["bash", "-c", snippet, "sglang-server", "python", "-m", "sglang.launch_server"],
+                            env=base_env(stubs), cwd=stubs, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "the API key did not reach the server step" in result.stderr
+    assert calls(stubs, "python") == []
+
+
+def test_fleet_refuses_an_api_key_in_sglang_args(stubs):
+    result = subprocess.run(["bash", str(FLEET)], env=base_env(stubs, MODEL_PATH="/m", SGLANG_ARGS="--api-key mine"),
+                            cwd=stubs, capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0 and "SGLANG_ARGS sets --api-key" in result.stderr
+    assert calls(stubs, "srun") == []
 
 
 def test_fleet_refuses_a_tp_size_that_does_not_divide_the_node(stubs):
