@@ -75,3 +75,29 @@ def test_nccl_tensor_parallel(tiny_model_dir):
     reference = results[0]["reference"]
     for name in ("tp=2", "pp=2"):
         assert results[0][name]["loss"] == pytest.approx(reference["loss"], rel=1e-4)
+
+
+@pytest.mark.multirank
+def test_nccl_sequence_parallel(tiny_model_dir):
+    """TP=2 + sequence parallelism over NCCL (Transformer Engine where installed) against
+    TP=1 on the same GPUs: the CPU test's job, with GPU tolerances."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from megatron_agent.platform.launch import run_on_ranks
+    from tests.multirank.test_sequence_parallel import METRICS, _real_positions, _worker
+
+    model_dir = tiny_model_dir("qwen3")
+    per_rank = run_on_ranks(_worker, 2, str(model_dir), dict(tp=2, sequence_parallel=True), False, timeout_s=900)
+    real = _real_positions(read_vocab(model_dir))
+    reference = per_rank[0]["tp=1"]
+    for rank in per_rank:
+        for key in ("logprobs", "after"):
+            assert (rank["sp"][key] - reference[key])[real].abs().max() < 1e-3, key
+        for metric in METRICS:
+            assert rank["sp"]["metrics"][metric] == pytest.approx(reference["metrics"][metric], rel=1e-3, abs=1e-5)
+
+
+def read_vocab(model_dir) -> int:
+    from megatron_agent.models import read_hf_config
+
+    return read_hf_config(model_dir)["vocab_size"]

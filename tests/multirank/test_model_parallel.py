@@ -23,7 +23,7 @@ NUM_MICRO_BATCHES = 4
 MODEL_OVERRIDES = {"qwen3": {"vocab_size": 805}, "qwen3_moe": {}}
 LAYOUTS = {
     "qwen3": [dict(tp=2), dict(pp=2), dict(pp=2, vpp=2)],
-    # MoE with tp>1 trains only with sequence parallelism, which needs TE norms (GPU).
+    # MoE with tp>1 trains only with sequence parallelism: tests/multirank/test_sequence_parallel.py.
     "qwen3_moe": [dict(pp=2), dict(ep=2)],
 }
 
