@@ -97,6 +97,8 @@ class EngineFleet:
     def close(self) -> None:
         from rollout.engine_launch import stop_engines
 
+        if self.engine_config.urls and getattr(self, "weight_sync", None) is not None:
+            self.weight_sync.close()  # an external fleet outlives the run: leave its update group
         if self.client is not None:
             self.client.close()
         stop_engines(self.engines)

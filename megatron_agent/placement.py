@@ -116,7 +116,7 @@ def trainer_bundles(config) -> list[dict]:
                for _ in range(p.trainer_ranks)]
     if p.colocate and not e.urls:
         for i in range(e.num_engines):
-            bundles[i % len(bundles)]["CPU"] += e.threads_per_engine
+            bundles[i % len(bundles)]["CPU"] += e.threads_per_engine * e.ranks_per_engine
     return bundles
 
 
@@ -126,7 +126,8 @@ def engine_bundles(config) -> list[dict]:
     p, e = config.placement, config.engine
     if p.colocate or e.urls:
         return []
-    return [{"CPU": e.threads_per_engine, **({"GPU": e.gpus_per_engine} if e.gpus_per_engine else {})}
+    return [{"CPU": e.threads_per_engine * e.ranks_per_engine,
+             **({"GPU": e.gpus_per_engine} if e.gpus_per_engine else {})}
             for _ in range(e.num_engines)]
 
 
@@ -206,7 +207,8 @@ class RayEngineLauncher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(EngineActor)
-        actors = [remote.options(num_cpus=engine_config.threads_per_engine, num_gpus=engine_config.gpus_per_engine,
+        actors = [remote.options(num_cpus=engine_config.threads_per_engine * engine_config.ranks_per_engine,
+                                 num_gpus=engine_config.gpus_per_engine,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle))
                   .remote() for bundle in self.bundle_indices]
         try:

@@ -199,5 +199,12 @@ def validate_placement(run: RunConfig) -> None:
         raise ConfigError(f"parallel: {err}") from None
     if run.engine.server not in ("embedded", "sglang"):
         raise ConfigError(f"engine.server={run.engine.server!r}; choose 'embedded' or 'sglang'")
+    if not run.engine.urls:  # engines this run starts: refused before any process starts
+        from rollout.engine_guard import InsecureBind, require_token, resolve_token
+
+        try:
+            require_token(run.engine.host, resolve_token(run.engine.auth_token), "the run's engines (engine.host)")
+        except InsecureBind as err:
+            raise ConfigError(str(err)) from None
     if run.engine.server == "sglang" and not run.engine.urls and run.placement.launcher != "ray":
         raise ConfigError("engine.server='sglang' is started by placement.launcher=ray (or give engine.urls)")

@@ -80,9 +80,11 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", num_hidden_layers=48, num_attention
 
 
 @pytest.mark.parametrize("preset, hf, ranks", [("qwen3-8b", QWEN3_8B, 8), ("qwen3-30b-a3b", QWEN3_30B_A3B, 16)])
-def test_cluster_model_presets_fit_their_architectures(tmp_path, preset, hf, ranks):
+def test_cluster_model_presets_fit_their_architectures(tmp_path, monkeypatch, preset, hf, ranks):
     """The presets' layouts against the published architectures (config.json only: no weights here)."""
     import json
+
+    monkeypatch.setenv("MEGATRON_AGENT_ENGINE_TOKEN", "test-key")  # backend=gpu binds beyond loopback
 
     (tmp_path / "config.json").write_text(json.dumps(hf))
     common = [f"model={preset}", "backend=gpu", f"model_dir={tmp_path}", f"placement.trainer_ranks={ranks}"]
@@ -97,3 +99,14 @@ def test_ready_experiments_load():
     run = load_run_config(["+experiment=numberline-sparse", "algorithm=gigpo"])
     assert run.env_config["reward"] == "sparse" and run.stop_success is None
     assert run.algorithm.advantage_estimator == "gigpo"
+
+
+def test_engines_beyond_loopback_need_a_key_before_anything_starts(monkeypatch):
+    monkeypatch.delenv("MEGATRON_AGENT_ENGINE_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"engine.host\) bound to 0.0.0.0 needs a token.*docs/security.md"):
+        load_run_config(["engine.host=0.0.0.0"])
+    assert load_run_config(["engine.host=0.0.0.0", "engine.auth_token=k"]).engine.auth_token == "k"
+    monkeypatch.setenv("MEGATRON_AGENT_ENGINE_TOKEN", "k")
+    load_run_config(["engine.host=0.0.0.0"])
+    monkeypatch.delenv("MEGATRON_AGENT_ENGINE_TOKEN")
+    load_run_config(["engine.host=0.0.0.0", "engine.urls=[http://10.1.2.3:30000]"])  # a fleet started elsewhere

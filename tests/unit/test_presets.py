@@ -79,6 +79,12 @@ def test_no_two_composed_files_set_the_same_key():
     assert len(list(itertools.product(*(OPTIONS[g] for g in GROUPS)))) > 1
 
 
+@pytest.fixture(autouse=True)
+def engine_token(monkeypatch):
+    """backend=gpu binds the engines beyond loopback: a run has a key (train.sbatch makes one)."""
+    monkeypatch.setenv("MEGATRON_AGENT_ENGINE_TOKEN", "test-key")
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     dirs = {}
