@@ -47,7 +47,7 @@ def test_train_runs_the_rl_loop_and_writes_metrics(tmp_path):
     out = run_cli("train", "iterations=3", "stop_success=null", "val_every=2", "samples_every=2",
                   f"run_dir={tmp_path}")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "grpo on numberline" in out.stdout and "3 iterations in" in out.stdout
+    assert "gigpo on numberline" in out.stdout and "3 iterations in" in out.stdout
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [h["iteration"] for h in history] == [0, 1, 2]
     for row in history:
