@@ -69,7 +69,7 @@ def test_train_runs_the_rl_loop_and_writes_metrics(tmp_path):
         ("actor.lrr=1", "Key 'lrr' not in 'ActorConfig'; full_key: actor.lrr"),
         ("actor.lr=fast", "full_key: actor.lr"),
         ("algorithm=gipgo", "algorithm/gipgo"),
-        ("group_size=1", "group_size=1 with algorithm.advantage_estimator='grpo'"),
+        ("group_size=1", "group_size=1 with algorithm.advantage_estimator='gigpo'"),
         ("env_config.action_format=xml", "action_format='xml'"),
         ("seed", "override 'seed' is not key=value"),
     ],

@@ -14,7 +14,7 @@ ENVS = sorted(p.stem for p in (CONFIG_DIR / "env").glob("*.yaml"))
 
 def test_the_cpu_job_defaults():
     run = load_run_config()
-    assert (run.env, run.algorithm.advantage_estimator, run.num_groups, run.group_size) == ("numberline", "grpo", 16, 8)
+    assert (run.env, run.algorithm.advantage_estimator, run.num_groups, run.group_size) == ("numberline", "gigpo", 16, 8)
     assert run.env_config["action_format"] == "bare" and run.loop.sampling.max_new_tokens == 3
     assert run.loop.prompt.include_instructions is False and run.algorithm.entropy_coef == 0.05
     assert run.actor.lr == 1e-3 and run.actor.params_dtype == "fp32"
