@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_agent.models.tiny import write_tiny_model
 from megatron_agent.platform.distributed import free_port
 from megatron_agent.weight_sync import send_weights
 from rollout.embedded_engine import Engine, SamplingParams
@@ -28,16 +27,6 @@ PARAMS = [{"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
           {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 5},
           {"temperature": 0.7, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 6},
           {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 7}]
-
-
-@pytest.fixture(scope="module")
-def old_dir(tiny_model_dir):
-    return tiny_model_dir("qwen3")
-
-
-@pytest.fixture(scope="module")
-def new_dir(tmp_path_factory):
-    return write_tiny_model("qwen3", tmp_path_factory.mktemp("new") / "qwen3-seed1", seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_agent.models.tiny import write_tiny_model
 from megatron_agent.platform.distributed import free_port
 from megatron_agent.weight_sync import send_weights
 from rollout.embedded_engine import Engine
 from rollout.engine_client import EngineClient, EngineError
 from rollout.engine_launch import launch_engines, stop_engines
 from rollout.weight_group import destroy_weight_update_group, init_weight_update_group
-
-
-@pytest.fixture(scope="module")
-def old_dir(tiny_model_dir):
-    return tiny_model_dir("qwen3")
-
-
-@pytest.fixture(scope="module")
-def new_dir(tmp_path_factory):
-    return write_tiny_model("qwen3", tmp_path_factory.mktemp("new") / "qwen3-seed1", seed=1)
 
 
 @pytest.fixture(scope="module")
