@@ -3,16 +3,24 @@ several bucket sizes, against a raw gloo broadcast of the same bytes in the same
 
 The trainer is this process (WORLD_SIZE=1) holding an Actor; the engine is started with
 `launch_engines`. The baseline is `torch.distributed.broadcast` of the same number of
-bytes, cut into the same bucket sizes (one flat uint8 tensor per bucket), to a helper
-process that joins a weight-update group with `init_weight_update_group` and
-acknowledges the last bucket (so the clock stops when the bytes have arrived).
+bytes, cut into the same bucket sizes (one flat uint8 tensor per bucket, no HTTP), to a
+helper process that joins a weight-update group with `init_weight_update_group`, receives
+into one buffer it touched beforehand (the baseline's best case: no page faults), and
+acknowledges the last bucket (so the clock stops when the bytes have arrived). Syncs and
+raw broadcasts alternate (sync, raw, sync, raw, ...), so both see the same load on a
+shared machine; the figures are medians, and raw/sync is the median of each sync's ratio
+to the raw broadcast that followed it.
 
-Where the time goes is measured by wrapping, in this process only, the functions
-`WeightSync.sync` calls: the export alone (iterating `actor.named_hf_weights()`) is
-timed separately; inside a sync the time in `send_weights` is split into flattening
-(`flatten_bucket`), the broadcast, and the rest (HTTP announce + the engine copying the
-bucket into its model before it answers); the six control requests (pause, flush, begin,
-end, version, continue) are clocked too, and what is left is the export and bucketing.
+Where the time goes is measured by wrapping, in this process only, the functions a sync
+calls. The pipeline overlaps them, so they do not add up to the sync's seconds: `write`
+is the caller's thread writing exported tensors into the bucket buffers (overlapping the
+wire), `bcast` the sender thread's broadcasts, `http+load` the rest of `send_weights`
+(HTTP announce, the engine receiving in place and answering), `control` the six control
+requests (pause, flush, begin, end, version, continue), `idle` the sync's seconds in which
+no bucket was being sent or controlled (the export and writing of the first bucket, the
+collectives between trainer ranks).
+
+The last line is the figure for the default config's bucket size (`WeightSyncConfig`).
 On a shared CPU the figures move by tens of percent from run to run.
 
 Run: `.venv/bin/python bench/weight_sync.py [--layers 11] [--buckets-mib 32,128,512]`.
@@ -34,19 +42,19 @@ import torch
 MIB = 2**20
 
 
-def _receiver(port: int, chunk_sizes: list[list[int]], repeats: int, threads: int) -> None:
-    """The baseline's receiving side: rank 1 of a weight-update group."""
+def _receiver(port: int, plans: list[list[int]], threads: int) -> None:
+    """The baseline's receiving side: rank 1 of a weight-update group, one plan at a time."""
     import torch.distributed as dist
 
     from rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
     torch.set_num_threads(threads)
-    pg = init_weight_update_group("127.0.0.1", port, 1, 2, "bench-raw-broadcast", backend="gloo", timeout_s=300)
-    for sizes in chunk_sizes:
-        for _ in range(repeats):
-            for n in sizes:
-                dist.broadcast(torch.empty(n, dtype=torch.uint8), src=0, group=pg)
-            dist.broadcast(torch.ones(1), src=1, group=pg)  # acknowledge: everything arrived
+    pg = init_weight_update_group("127.0.0.1", port, 1, 2, "bench-raw-broadcast", backend="gloo", timeout_s=600)
+    buffer = torch.zeros(max(max(sizes) for sizes in plans), dtype=torch.uint8)  # touched once, reused
+    for sizes in plans:
+        for n in sizes:
+            dist.broadcast(buffer[:n], src=0, group=pg)
+        dist.broadcast(torch.ones(1), src=1, group=pg)  # acknowledge: everything arrived
     destroy_weight_update_group(pg)
 
 
@@ -54,43 +62,45 @@ def chunks_of(total: int, bucket: int) -> list[int]:
     return [min(bucket, total - start) for start in range(0, total, bucket)]
 
 
-def raw_broadcast_seconds(total: int, buckets: list[int], repeats: int, threads: int) -> dict[int, float]:
-    """Median seconds to broadcast `total` bytes in chunks of each bucket size."""
-    import torch.distributed as dist
+class RawBroadcast:
+    """A helper process receiving `plans` (lists of chunk sizes) in order; `next()`
+    broadcasts the next plan to it and returns the seconds until it acknowledged."""
 
-    from megatron_agent.platform import free_port
-    from rollout.weight_group import destroy_weight_update_group, init_weight_update_group
+    def __init__(self, total: int, plans: list[list[int]], threads: int):
+        from megatron_agent.platform import free_port
+        from rollout.weight_group import init_weight_update_group
 
-    plans = [chunks_of(total, b) for b in buckets]
-    port = free_port()
-    helper = mp.get_context("spawn").Process(target=_receiver, args=(port, plans, repeats, threads))
-    helper.start()
-    try:
-        pg = init_weight_update_group("127.0.0.1", port, 0, 2, "bench-raw-broadcast", backend="gloo", timeout_s=300)
-        source = torch.randint(0, 255, (total,), dtype=torch.uint8)
-        out = {}
-        for bucket, sizes in zip(buckets, plans):
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                offset = 0
-                for n in sizes:
-                    dist.broadcast(source[offset:offset + n], src=0, group=pg)
-                    offset += n
-                dist.broadcast(torch.zeros(1), src=1, group=pg)
-                times.append(time.perf_counter() - t)
-            out[bucket] = statistics.median(times)
-        destroy_weight_update_group(pg)
-        helper.join(timeout=60)
-    finally:
-        if helper.is_alive():
-            helper.kill()
-            helper.join()
-    return out
+        port = free_port()
+        self.helper = mp.get_context("spawn").Process(target=_receiver, args=(port, plans, threads))
+        self.helper.start()
+        self.pg = init_weight_update_group("127.0.0.1", port, 0, 2, "bench-raw-broadcast", backend="gloo",
+                                           timeout_s=600)
+        self.plans = list(plans)
+        self.source = torch.randint(0, 255, (total,), dtype=torch.uint8)
+
+    def next(self) -> float:
+        import torch.distributed as dist
+
+        t = time.perf_counter()
+        offset = 0
+        for n in self.plans.pop(0):
+            dist.broadcast(self.source[offset:offset + n], src=0, group=self.pg)
+            offset += n
+        dist.broadcast(torch.zeros(1), src=1, group=self.pg)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        from rollout.weight_group import destroy_weight_update_group
+
+        destroy_weight_update_group(self.pg)
+        self.helper.join(timeout=60)
+        if self.helper.is_alive():
+            self.helper.kill()
+            self.helper.join()
 
 
 class Clock:
-    """Accumulated seconds of a few wrapped functions (this process only)."""
+    """Accumulated seconds of a few wrapped functions (this process, any thread)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -120,22 +130,22 @@ class Clock:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=11)  # ~517 MB fp32
+    parser.add_argument("--layers", type=int, default=11)  # ~523 MB fp32
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--buckets-mib", default="32,128,512")
+    parser.add_argument("--formats", default="flattened,per_tensor", help="flattened and/or per_tensor")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads here and in the helper")
     args = parser.parse_args()
     os.environ.setdefault("WORLD_SIZE", "1")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    buckets = [int(float(b) * MIB) for b in args.buckets_mib.split(",")]
 
     import torch.distributed as dist
 
     import megatron_agent.weight_sync as weight_sync
-    import rollout.weight_group as weight_group
+    import megatron_agent.weight_sync.buckets as buckets_module
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.models.tiny import write_tiny_model
     from megatron_agent.platform import ParallelConfig, init_distributed
@@ -144,8 +154,12 @@ def main() -> None:
     from rollout.engine_client import EngineClient
     from rollout.engine_launch import launch_engines, stop_engines
 
+    default = WeightSyncConfig()
+    default_case = (default.flattened, default.bucket_bytes)
+    cases = sorted({(fmt == "flattened", int(float(b) * MIB)) for fmt in args.formats.split(",")
+                    for b in args.buckets_mib.split(",")} | {default_case}, key=lambda c: (not c[0], c[1]))
     tmp = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
-    engines = []
+    engines, raw = [], None
     try:
         t = time.perf_counter()
         heads = args.hidden // 64
@@ -166,10 +180,7 @@ def main() -> None:
                       AlgorithmConfig(use_kl_loss=False))
         actor_s = time.perf_counter() - t
 
-        # The export alone: iterated and dropped (copies reuse freed memory), and kept alive
-        # as a sync's bucket keeps them (the copies, e.g. q/k/v split out of the fused
-        # linear_qkv, then touch fresh pages).
-        export_times, kept_times, total, count = [], [], 0, 0
+        export_times, total, count = [], 0, 0
         for _ in range(args.repeats):
             t = time.perf_counter()
             total, count = 0, 0
@@ -177,71 +188,69 @@ def main() -> None:
                 total += tensor.numel() * tensor.element_size()
                 count += 1
             export_times.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            kept = list(actor.named_hf_weights())
-            kept_times.append(time.perf_counter() - t)
-            del kept
-        export_s, kept_s = statistics.median(export_times), statistics.median(kept_times)
+        export_s = statistics.median(export_times)
 
-        flatten_times = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            weight_group.flatten_bucket([w for _, w in actor.named_hf_weights()])
-            flatten_times.append(time.perf_counter() - t)
-        flatten_all_s = statistics.median(flatten_times)
-
-        # The syncs, with the pieces of send_weights clocked.
+        raw = RawBroadcast(total, [chunks_of(total, b) for _, b in cases for _ in range(args.repeats)], threads)
         clock = Clock()
         clock.wrap(weight_sync, "send_weights", "send")
-        clock.wrap(weight_group, "flatten_bucket", "flatten")
+        clock.wrap(buckets_module, "write_bytes", "write")
         clock.wrap(dist, "broadcast", "broadcast")
         for method in ("pause_generation", "flush_cache", "begin_weight_update", "end_weight_update",
                        "update_weight_version", "continue_generation"):
             clock.wrap(EngineClient, method, "control")
         rows = []
-        for bucket in buckets:
-            sync = WeightSync(actor, [e.url for e in engines], WeightSyncConfig(bucket_bytes=bucket))
+        for flattened, bucket in cases:
+            sync = WeightSync(actor, [e.url for e in engines], WeightSyncConfig(bucket_bytes=bucket,
+                                                                                flattened=flattened))
             t = time.perf_counter()
-            sync.sync(version="warm-up")  # joins the group (connect) once per WeightSync
+            sync.sync(version="warm-up")  # joins the group, allocates the buffers on both sides
             first_s = time.perf_counter() - t
-            runs = []
+            runs, raw_times = [], []
             for r in range(args.repeats):
                 clock.reset()
                 metrics = sync.sync(version=f"{bucket}-{r}")
-                runs.append((metrics["weight_sync/seconds"], dict(clock.seconds), metrics))
+                parts = dict(clock.seconds)
+                parts["broadcast"] = parts.get("broadcast", 0.0)
+                runs.append((metrics["weight_sync/seconds"], parts, metrics))
+                raw_times.append(raw.next())
+            runs_in_order = list(runs)
             runs.sort(key=lambda x: x[0])
             seconds, parts, metrics = runs[len(runs) // 2]
-            rows.append((bucket, seconds, first_s, parts, metrics))
-            sync.set_engines([])  # leaves the group on both sides
+            ratio = statistics.median(r / s for r, (s, _, _) in zip(raw_times, runs_in_order))
+            rows.append(((flattened, bucket), seconds, statistics.median(raw_times), ratio, first_s, parts, metrics))
+            sync.close()  # leaves the group on both sides, frees the buffers
         clock.restore()
     finally:
         stop_engines(engines)
-    # The engine's CPU is free now, as the helper's receiving side would have it.
-    raw = raw_broadcast_seconds(total, buckets, args.repeats, threads)
+        if raw is not None:
+            raw.close()
     shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"qwen3 {args.layers} layers, hidden {args.hidden}: {total / 1e6:.0f} MB exported in {count} tensors "
           f"({on_disk / 1e6:.0f} MB safetensors), fp32, 1 trainer rank -> 1 embedded engine, gloo, "
           f"{threads} torch threads, {os.cpu_count()} CPUs")
-    print(f"setup: write model {write_s:.1f} s, engine start {engine_start_s:.1f} s, actor build {actor_s:.1f} s")
-    print(f"export alone (iterate named_hf_weights): {export_s:.3f} s dropping each tensor, {kept_s:.3f} s keeping "
-          f"them all; export + flatten_bucket of everything: {flatten_all_s:.3f} s")
+    print(f"setup: write model {write_s:.1f} s, engine start {engine_start_s:.1f} s, actor build {actor_s:.1f} s; "
+          f"export alone (iterate named_hf_weights) {export_s:.3f} s")
     print()
-    print(f"median of {args.repeats} syncs after a warm-up sync; raw = gloo broadcast of the same bytes in the "
-          f"same bucket sizes to a helper process")
-    print(f"{'bucket':>8}{'buckets':>8}{'sync s':>9}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}{'sync/raw':>9}"
-          f"{'1st s':>8}  | {'flatten':>8}{'bcast':>8}{'http+load':>10}{'control':>8}{'other':>7}")
-    for bucket, seconds, first_s, parts, metrics in rows:
-        send, flat, bcast = parts.get("send", 0.0), parts.get("flatten", 0.0), parts.get("broadcast", 0.0)
-        control = parts.get("control", 0.0)  # pause/flush/begin before, end/version/continue after
-        other = seconds - send - control  # export, bucketing, the gathers and all-reduce between ranks
-        print(f"{bucket // MIB:>5}MiB{int(metrics['weight_sync/buckets']):>8}{seconds:>9.3f}"
-              f"{metrics['weight_sync/bytes'] / 1e9 / seconds:>7.2f}{raw[bucket]:>8.3f}"
-              f"{total / 1e9 / raw[bucket]:>9.2f}{seconds / raw[bucket]:>9.2f}{first_s:>8.2f}  | "
-              f"{flat:>8.3f}{bcast:>8.3f}{send - flat - bcast:>10.3f}{control:>8.3f}{other:>7.3f}")
-    print("columns after '|' split the sync's seconds: flatten_bucket, dist.broadcast, the rest of send_weights "
-          "(HTTP announce + engine copy-in, waited on after the broadcast), the six control requests, other "
-          "(export, bucketing, collectives between trainer ranks)")
+    print(f"median of {args.repeats} syncs after a warm-up sync, each followed by a raw gloo broadcast of the same "
+          f"bytes in the same bucket sizes to a helper process")
+    print(f"{'format':>10}{'bucket':>8}{'buckets':>8}{'sync s':>9}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}{'raw/sync':>9}"
+          f"{'1st s':>8}  | {'write':>7}{'bcast':>8}{'http+load':>10}{'control':>8}{'idle':>7}")
+    for (flattened, bucket), seconds, raw_s, ratio, first_s, parts, metrics in rows:
+        send, bcast, control = parts.get("send", 0.0), parts["broadcast"], parts.get("control", 0.0)
+        print(f"{'flattened' if flattened else 'per_tensor':>10}{bucket // MIB:>5}MiB{int(metrics['weight_sync/buckets']):>8}{seconds:>9.3f}"
+              f"{metrics['weight_sync/bytes'] / 1e9 / seconds:>7.2f}{raw_s:>8.3f}"
+              f"{total / 1e9 / raw_s:>9.2f}{ratio:>9.2f}{first_s:>8.2f}  | "
+              f"{parts.get('write', 0.0):>7.3f}{bcast:>8.3f}{send - bcast:>10.3f}{control:>8.3f}"
+              f"{seconds - send - control:>7.3f}")
+    print("columns after '|' (they overlap): write = exported tensors into the bucket buffers (caller's thread), "
+          "bcast = broadcasts (sender thread), http+load = the rest of send_weights (announce, engine receive "
+          "and answer), control = the six control requests, idle = no bucket on the wire nor a control request")
+    print(f"default config: {'flattened' if default.flattened else 'per_tensor'}, "
+          f"{default.bucket_bytes // MIB} MiB buckets")
+    _, _, _, ratio, _, _, metrics = next(r for r in rows if r[0] == default_case)
+    print(f"weight_sync: {ratio:.2f} of raw broadcast ({total / 1e6:.0f} MB, "
+          f"{int(metrics['weight_sync/buckets'])} buckets)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,19 @@
 """The embedded engine's side of a weight update (`rollout/embedded_engine.py` calls these):
-receiving an announced bucket from the sender (`weight_group.send_weights`, rank 0), and
-finding the model tensor a checkpoint-format HF name refers to."""
+receiving an announced bucket from the sender (rank 0 of the weight-update group) straight
+into the model, and finding the model tensor a checkpoint-format HF name refers to.
+
+No copy after the wire where the layout allows it:
+- per tensor: each broadcast lands in its parameter when dtype, shape and contiguity match;
+- flattened bucket: when the bucket's parameters already lie back to back in one storage,
+  in the announced order, the bucket lands there; otherwise, when every name is a whole
+  parameter of the bucket's dtype, the bucket is received into a fresh buffer that the
+  parameters then *adopt* as their storage (so the next sync of the same layout lands in
+  place). Anything else (slices of fused experts, tied names twice, dtype casts) is
+  received into a reused scratch buffer and copied once.
+
+Writing into live parameters needs the caller to hold the model's lock; a bucket that
+fails half way leaves the model partly updated, as with SGLang (the trainer syncs again).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +21,17 @@ import re
 
 import torch
 
-from rollout.weight_group import unflatten_bucket
+from rollout.weight_group import tensor_nbytes, unflatten_bucket
 
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def receive_tensors(pg: torch.distributed.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[int]], *,
                     flattened: bool) -> list[torch.Tensor]:
-    """Receive one bucket's tensors by broadcast from rank 0 of `pg`: one uint8 tensor in
-    the flattened-bucket layout, or (not `flattened`) one broadcast per tensor, in order."""
+    """Receive one bucket's tensors into fresh memory (no model): one uint8 tensor in the
+    flattened-bucket layout, or (not `flattened`) one broadcast per tensor, in order."""
     if flattened:
-        nbytes = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes))
-        bucket = torch.empty(nbytes, dtype=torch.uint8)
+        bucket = torch.empty(sum(tensor_nbytes(s, d) for s, d in zip(shapes, dtypes)), dtype=torch.uint8)
         torch.distributed.broadcast(bucket, src=0, group=pg)
         return unflatten_bucket(bucket, dtypes, shapes)
     tensors = []
@@ -28,6 +40,67 @@ def receive_tensors(pg: torch.distributed.ProcessGroup, dtypes: list[torch.dtype
         torch.distributed.broadcast(t, src=0, group=pg)
         tensors.append(t)
     return tensors
+
+
+def receive_per_tensor(pg, targets: list[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]]) -> None:
+    """One broadcast per tensor, each straight into its target where it can land there."""
+    for target, dtype, shape in zip(targets, dtypes, shapes):
+        target = target.detach()
+        if lands_in_place(target, dtype, shape):
+            torch.distributed.broadcast(target, src=0, group=pg)
+        else:
+            received = torch.empty(shape, dtype=dtype)
+            torch.distributed.broadcast(received, src=0, group=pg)
+            target.copy_(received)
+
+
+def receive_flat_bucket(pg, targets: list[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]],
+                        scratch: torch.Tensor) -> torch.Tensor:
+    """Receive one flattened bucket into `targets` (in place, adopted, or via `scratch`);
+    returns the scratch buffer to keep for the next bucket (grown if it was too small)."""
+    nbytes = sum(tensor_nbytes(s, d) for s, d in zip(shapes, dtypes))
+    span = storage_span(targets, dtypes, shapes)
+    if span is not None:
+        torch.distributed.broadcast(span, src=0, group=pg)
+        return scratch
+    if adoptable(targets, dtypes, shapes):
+        bucket = torch.empty(nbytes, dtype=torch.uint8)
+        torch.distributed.broadcast(bucket, src=0, group=pg)
+        for param, view in zip(targets, unflatten_bucket(bucket, dtypes, shapes)):
+            param.data = view
+        return scratch
+    if scratch.numel() < nbytes:
+        scratch = torch.empty(nbytes, dtype=torch.uint8)
+    torch.distributed.broadcast(scratch[:nbytes], src=0, group=pg)
+    for target, view in zip(targets, unflatten_bucket(scratch[:nbytes], dtypes, shapes)):
+        target.detach().copy_(view)
+    return scratch
+
+
+def lands_in_place(target: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
+    return target.dtype == dtype and tuple(target.shape) == tuple(shape) and target.is_contiguous()
+
+
+def storage_span(targets: list[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]]) -> torch.Tensor | None:
+    """A uint8 view of the bytes `targets` occupy when they lie back to back in one
+    storage, in order, each as announced (else None): the bucket can land there."""
+    if not targets or not all(lands_in_place(t, d, s) for t, d, s in zip(targets, dtypes, shapes)):
+        return None
+    storage = targets[0].untyped_storage()
+    start = targets[0].storage_offset() * targets[0].element_size()
+    end = start
+    for t in targets:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() * t.element_size() != end:
+            return None
+        end += t.numel() * t.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=targets[0].device).set_(storage, start, (end - start,))
+
+
+def adoptable(targets: list[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]]) -> bool:
+    """Every target a whole parameter of the announced dtype and shape, none twice."""
+    return (all(isinstance(t, torch.nn.Parameter) and t.dtype == d and tuple(t.shape) == tuple(s)
+                for t, d, s in zip(targets, dtypes, shapes))
+            and len({id(t) for t in targets}) == len(targets))
 
 
 def weight_view(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:

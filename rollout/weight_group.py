@@ -77,15 +77,19 @@ def unflatten_bucket(
     """The inverse of `flatten_bucket`: views into `bucket` with the given dtypes and shapes."""
     out, offset = [], 0
     for dtype, shape in zip(dtypes, shapes):
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = tensor_nbytes(shape, dtype)
         out.append(bucket[offset:offset + nbytes].view(dtype).reshape(shape))
         offset += nbytes
     if offset != bucket.numel():
         raise ValueError(f"flattened bucket holds {bucket.numel()} bytes, the tensors need {offset}")
     return out
+
+
+def tensor_nbytes(shape, dtype: torch.dtype) -> int:
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    return numel * dtype.itemsize
 
 
 def weight_checksum(tensor: torch.Tensor) -> float:

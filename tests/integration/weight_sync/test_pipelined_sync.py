@@ -1,0 +1,79 @@
+"""The pipelined weight sync, repeated: tiny buckets (many in flight), the sender's bucket
+buffers and the engine's parameters reused from one sync to the next (the second sync
+of a layout lands in place). After each of three syncs with different weights
+(flattened, flattened again, per tensor), the engine's logprobs on its own samples equal
+the actor's recomputed ones and the engine's checksums equal the actor's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_agent.platform.launch import run_on_ranks
+from rollout.engine_launch import launch_engines, stop_engines
+
+pytestmark = pytest.mark.multirank
+
+
+def _three_syncs(model_dir: str, urls: list[str]) -> dict:
+    from megatron_agent.algorithms import AlgorithmConfig
+    from megatron_agent.platform import ParallelConfig, init_distributed
+    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.training.batch import TrainBatch
+    from megatron_agent.training.checks import rollout_logprob_gap
+    from megatron_agent.weight_sync import WeightSync, WeightSyncConfig
+    from rollout.engine_client import EngineClient
+
+    ctx = init_distributed(ParallelConfig(), seed=7)
+    actor = Actor(model_dir, ctx.parallel, ActorConfig(lr=1e-2, use_distributed_optimizer=False),
+                  AlgorithmConfig(use_kl_loss=False, entropy_coef=0.0))
+    g = torch.Generator().manual_seed(1)
+    client = EngineClient(urls)
+    prompts = [[1, 2, 3, 4, 5], [10, 20, 30]]
+
+    def move_the_actor(seed: float):
+        batch = TrainBatch.from_sequences([torch.randint(0, 800, (6,), generator=g).tolist() for _ in range(4)],
+                                          [torch.randint(0, 800, (5,), generator=g).tolist() for _ in range(4)],
+                                          advantages=[seed, -1.0, 0.5, 2.0])
+        actor.update(batch)  # large lr: far from what the engine holds
+
+    def engine_vs_actor() -> float:
+        outs = client.generate(prompts, {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True,
+                                         "sampling_seed": 3})
+        sampled = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs],
+                                            rollout_logprobs=[o.logprobs for o in outs])
+        recomputed = actor.compute_logprobs(sampled, with_entropy=False)["logprobs"]
+        gap = rollout_logprob_gap(recomputed, sampled.rollout_logprobs, sampled.response_mask)
+        return gap["check/rollout_logprob_max_abs_diff"]
+
+    flat = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=24 * 1024, check=True, timeout_s=60))
+    per_tensor = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=24 * 1024, check=True, timeout_s=60,
+                                                          flattened=False))
+    out = {"gaps": [], "buckets": []}
+    buffers = None
+    for step, sync in enumerate([flat, flat, per_tensor]):
+        move_the_actor(1.0 + step)
+        out["stale_gap_before_sync"] = engine_vs_actor()
+        metrics = sync.sync(version=step)  # check=True: raises if any checksum differs
+        out["gaps"].append(engine_vs_actor())
+        out["buckets"].append(metrics["weight_sync/buckets"])
+        if sync is flat:
+            pointers = [b.data_ptr() for b in flat.buffers.buffers]
+            out["buffers_kept"] = buffers is None or pointers == buffers
+            buffers = pointers
+    flat.close()
+    per_tensor.close()
+    return out
+
+
+def test_repeated_pipelined_syncs_deliver_each_new_set_of_weights(tiny_model_dir, tmp_path):
+    engines = launch_engines(tiny_model_dir("qwen3"), 1, log_dir=tmp_path)
+    try:
+        out = run_on_ranks(_three_syncs, 1, str(tiny_model_dir("qwen3")), [e.url for e in engines],
+                           timeout_s=300)[0]
+    finally:
+        stop_engines(engines)
+    assert all(b >= 4 for b in out["buckets"]), out  # several buckets, so several in flight
+    assert out["stale_gap_before_sync"] > 1e-3, out  # the actor moved: the comparison can fail
+    assert max(out["gaps"]) < 1e-4, out
+    assert out["buffers_kept"], out
