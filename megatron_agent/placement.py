@@ -4,7 +4,14 @@
     launcher=local, trainer_ranks=N   N spawned processes on this machine (gloo or NCCL)
     launcher=ray                      Ray actors in placement groups: one bundle per trainer
                                       rank; engines in bundles of their own (disaggregated)
-                                      or in the trainer bundles (colocate=true)
+                                      or in the trainer bundles (colocate=true, one node)
+
+colocate=true: the engines share the trainer's machine and devices. They release their
+memory while the actor trains and get the weights as tensor handles (shared memory on
+CPU, CUDA IPC on GPU: engine_fleet.py, weight_sync/tensor_sync.py). With launcher=local
+the engines are the ones rank 0 starts here, or `engine.urls` on this machine; with Ray,
+they go into the trainer bundles, all on one node (STRICT_PACK). `validate_colocation`
+checks these at config time.
 
 Every launcher runs the rank function it is given (the driver's `train_rank`) on every
 rank; rank 0 writes run_dir/metrics.jsonl, which this process follows to report
@@ -36,7 +43,8 @@ class PlacementConfig:
     ray_address: str | None = None  # None: a local Ray instance for this run; "auto": the running cluster
     cpus_per_trainer: int = 1
     gpus_per_trainer: int = 0  # 1 on GPU clusters
-    # Engines share the trainer ranks' bundles (and GPUs) instead of having their own.
+    # Engines share the trainers' machine and devices (with Ray: their bundles), release
+    # their memory while the actor trains, and take the weights as tensor handles.
     colocate: bool = False
     ready_timeout_s: float = 600.0  # to get the placement groups' resources
     runtime_env: dict = field(default_factory=dict)  # Ray runtime_env of the actors (env_vars, ...)
@@ -46,12 +54,49 @@ class PlacementConfig:
             raise ValueError(f"launcher={self.launcher!r}; choose one of {LAUNCHERS}")
         if self.trainer_ranks < 1:
             raise ValueError(f"trainer_ranks={self.trainer_ranks} must be >= 1")
-        if self.colocate and self.launcher != "ray":
-            raise ValueError("colocate=true places engines in the trainers' Ray bundles: it needs launcher=ray")
-        if self.colocate and self.gpus_per_trainer:
-            raise ValueError("colocate=true on GPUs needs the weight update over CUDA IPC "
-                             "(/update_weights_from_tensor) and engine memory release, which are not built; "
-                             "give the engines their own GPUs (colocate=false)")
+
+
+def validate_colocation(config) -> None:
+    """The weight path against where the engines run (ValueError says what to change):
+    tensor handles (`weight_sync.transport=tensor`, colocate's default) only reach engines
+    on the trainer's machine."""
+    from megatron_agent.engine_fleet import TRANSPORTS, weight_transport
+
+    p, e, transport = config.placement, config.engine, config.weight_sync.transport
+    if transport not in (None, *TRANSPORTS):
+        raise ValueError(f"weight_sync.transport={transport!r}; choose one of {TRANSPORTS} (or null: "
+                         "tensor when placement.colocate, else broadcast)")
+    if p.colocate and getattr(config, "overlap_rollout", False):
+        raise ValueError("placement.colocate=true gives the engines' memory to the actor while it trains, so "
+                         "nothing rolls out then: overlap_rollout=true needs colocate=false")
+    if weight_transport(config) != "tensor":
+        return
+    if p.launcher == "ray" and not p.colocate and not e.urls:
+        raise ValueError("weight_sync.transport=tensor hands over tensor handles, which only engines on the "
+                         "trainer's machine can open: with launcher=ray set placement.colocate=true (engines "
+                         "in the trainer bundles, one node), or use transport=broadcast")
+    if e.urls and p.launcher != "local":
+        raise ValueError("weight_sync.transport=tensor with engine.urls needs placement.launcher=local (the "
+                         "trainer on the engines' machine); under Ray use transport=broadcast")
+    remote = [u for u in e.urls if not is_this_machine(u)]
+    if remote:
+        raise ValueError(f"weight_sync.transport=tensor (placement.colocate={p.colocate}) needs the engines on "
+                         f"this machine, and {remote} is not; use weight_sync.transport=broadcast")
+
+
+def is_this_machine(url: str) -> bool:
+    """Whether `url`'s host is this machine (loopback, its name or its address)."""
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(url if "//" in url else f"//{url}").hostname or ""
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0") or host.startswith("127."):
+        return True
+    try:
+        name = socket.gethostname()
+        return host in (name, socket.getfqdn()) or host in socket.gethostbyname_ex(name)[2]
+    except OSError:
+        return False
 
 
 def launch(config, train_rank, on_iteration=None) -> list[dict]:
@@ -118,6 +163,14 @@ def trainer_bundles(config) -> list[dict]:
         for i in range(e.num_engines):
             bundles[i % len(bundles)]["CPU"] += e.threads_per_engine * e.ranks_per_engine
     return bundles
+
+
+def trainer_strategy(config) -> str:
+    """Ray's placement of the trainer bundles: one node when colocated engines take the
+    weights as tensor handles (which name this node's memory), else packed."""
+    from megatron_agent.engine_fleet import weight_transport
+
+    return "STRICT_PACK" if config.placement.colocate and weight_transport(config) == "tensor" else "PACK"
 
 
 def engine_bundles(config) -> list[dict]:
@@ -244,7 +297,7 @@ def _launch_on_ray(config, train_rank) -> None:
         ray.init(address=p.ray_address, runtime_env=p.runtime_env or None)
     groups, actors = [], []
     try:
-        trainer_group = placement_group(trainers, strategy="PACK")
+        trainer_group = placement_group(trainers, strategy=trainer_strategy(config))
         groups.append(trainer_group)
         engine_group = placement_group(engines, strategy="PACK") if engines else None
         if engine_group is not None:
@@ -253,7 +306,10 @@ def _launch_on_ray(config, train_rank) -> None:
             ready, _ = ray.wait([group.ready()], timeout=p.ready_timeout_s)
             if not ready:
                 raise RuntimeError(f"Ray could not place {bundles} within {p.ready_timeout_s:.0f} s; "
-                                   f"the cluster has {ray.cluster_resources()}")
+                                   f"the cluster has {ray.cluster_resources()}"
+                                   + ("; tensor handles need the trainers and their colocated engines on one "
+                                      "node (STRICT_PACK): across nodes use weight_sync.transport=broadcast"
+                                      if trainer_strategy(config) == "STRICT_PACK" else ""))
         remote = ray.remote(TrainerRankActor)
         actors = [remote.options(num_cpus=p.cpus_per_trainer, num_gpus=p.gpus_per_trainer,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(trainer_group, i)).remote()

@@ -279,6 +279,27 @@ class RankedEngine(Engine):
     def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         self._everywhere("update_from_disk", model_path, weight_version)
 
+    def update_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                           weight_version: str | None = None) -> None:
+        """Rank r loads entry r (one per rank, as an SGLang TP rank does)."""
+        if len(serialized_named_tensors) != self.ranks:
+            raise BadRequest(f"serialized_named_tensors has {len(serialized_named_tensors)} entries; this engine "
+                             f"has {self.ranks} ranks (count them from /get_server_info's tp_size)")
+        kw = dict(load_format=load_format, weight_version=weight_version)
+        futures = [p.call("update_from_tensor", [serialized_named_tensors[p.rank]], **kw) for p in self.peers]
+        local: Future = Future()
+        try:
+            local.set_result(super().update_from_tensor(serialized_named_tensors[:1], **kw))
+        except Exception as err:
+            local.set_exception(err)
+        _gather([local, *futures])
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self._everywhere("release_memory", tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._everywhere("resume_memory", tags)
+
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         self._everywhere("load_weights", named)
 

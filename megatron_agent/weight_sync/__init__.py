@@ -8,7 +8,9 @@ Every trainer rank calls `WeightSync.sync(version)` together:
    at once); in each stage every rank iterates the bridge's export (TP and EP gathers
    are collectives), and the stage's source rank (DP 0, TP 0) fills buckets of
    `bucket_bytes`, announces each over HTTP and broadcasts it over its own
-   weight-update group (NCCL on GPU, gloo on CPU) joined with the engines;
+   weight-update group (NCCL on GPU, gloo on CPU) joined with the engines; the next
+   bucket is written (into one of two reused buffers) while the current one is on the
+   wire (buckets.py);
 3. rank 0 closes the update, bumps the weight version and resumes generation.
 
 A failure on any rank (an engine that died, a timeout) reaches every rank as a
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_agent.weight_sync.buckets import BucketBuffers, BucketPipeline
+
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +43,10 @@ class WeightSyncConfig:
     backend: str | None = None  # None: nccl on GPU, gloo on CPU
     master_address: str = "127.0.0.1"  # this host, as the engines reach it
     flattened: bool = True  # one uint8 tensor per bucket ("flattened_bucket")
+    # "broadcast": over a weight-update group (this module); "tensor": handles to shared
+    # memory / CUDA IPC, engines on the same machine (tensor_sync.py); None: tensor when
+    # placement.colocate, else broadcast.
+    transport: str | None = None
     check: bool = False  # compare a checksum of every tensor each engine loaded
     timeout_s: float = 300.0
     auth_token: str | None = None
@@ -67,6 +75,7 @@ class WeightSync:
         # in every group name: a long-lived server (SGLang's) refuses a name it still holds,
         # e.g. from an earlier trainer that died without destroying its group
         self.instance = uuid.uuid4().hex[:8]
+        self.buffers = BucketBuffers()  # the source's two bucket buffers, kept across syncs
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """New engine addresses (restarted engines); the next sync reconnects."""
@@ -103,8 +112,10 @@ class WeightSync:
                  ranks, self.group_name)
 
     def close(self) -> None:
-        """Leave the weight-update groups, on the engines too (they outlive the trainer)."""
+        """Leave the weight-update groups, on the engines too (they outlive the trainer),
+        and free the bucket buffers."""
         self._disconnect()
+        self.buffers.release()
 
     def _disconnect(self) -> None:
         from rollout.weight_group import destroy_weight_update_group
@@ -161,31 +172,24 @@ class WeightSync:
         errors: list[str] = []
         if self.is_source and self.group is None:
             errors += self._try(self._connect)
-        bucket, bucket_bytes, sent, buckets, checksums = [], 0, 0, 0, {}
-
-        def flush():
-            nonlocal bucket, bucket_bytes, sent, buckets
-            if bucket and not errors:
-                errors.extend(self._try(lambda: send_weights(
-                    self._client(), self.group, bucket, self.group_name, weight_version=version,
-                    flattened=self.config.flattened, timeout_s=self.config.timeout_s)))
-                sent += bucket_bytes
-                buckets += 1
-            bucket, bucket_bytes = [], 0
-
+        pipeline = BucketPipeline(self._send_bucket(version), self.config.bucket_bytes,
+                                  flattened=self.config.flattened, buffers=self.buffers)
+        checksums = {}
         for name, tensor in self.actor.named_hf_weights():
-            if not self.is_source or errors:
+            if not self.is_source or errors or pipeline.failed:
                 continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and bucket_bytes + nbytes > self.config.bucket_bytes:
-                flush()
-            bucket.append((name, tensor))
-            bucket_bytes += nbytes
+            pipeline.add(name, tensor)
             if self.config.check:
                 checksums[name] = weight_checksum(tensor)
-        if self.is_source:
-            flush()
-        return sent, buckets, checksums, errors
+        send_errors = pipeline.finish(send_pending=self.is_source and not errors)
+        errors += [f"rank {self.rank}: {e}" for e in send_errors]
+        return pipeline.sent_bytes, pipeline.buckets, checksums, errors
+
+    def _send_bucket(self, version: str):
+        def send(named, flat):
+            send_weights(self._client(), self.group, named, self.group_name, weight_version=version,
+                         flattened=self.config.flattened, timeout_s=self.config.timeout_s, flat=flat)
+        return send
 
     def _check(self, checksums: dict[str, float]) -> None:
         from rollout.engine_client import http_json
@@ -227,22 +231,24 @@ class WeightSync:
 
 
 def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, torch.Tensor]], group_name: str,
-                 *, weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0) -> list:
+                 *, weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0,
+                 flat: torch.Tensor | None = None) -> list:
     """The sender's side of one bucket: announce it to every engine over HTTP and
     broadcast it from rank 0 of `pg` while they wait for it (one flattened uint8 tensor,
     or one broadcast per tensor in list order). Call between begin/end_weight_update.
-    Only one sender may announce at a time, or engines deadlock."""
+    Only one sender may announce at a time, or engines deadlock. `flat`: the bucket's
+    bytes, already laid out; `named_tensors` then only describes them (meta tensors do)."""
     from rollout.weight_group import dtype_name, flatten_bucket
 
     names = [n for n, _ in named_tensors]
-    tensors = [t.detach().contiguous() for _, t in named_tensors]
+    tensors = [t.detach() if flat is not None else t.detach().contiguous() for _, t in named_tensors]
     pending = client.update_weights_from_distributed(
         names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], group_name,
         weight_version=weight_version, load_format="flattened_bucket" if flattened else None,
         timeout_s=timeout_s,
     )
     if flattened:
-        dist.broadcast(flatten_bucket(tensors), src=0, group=pg)
+        dist.broadcast(flat if flat is not None else flatten_bucket(tensors), src=0, group=pg)
     else:
         for t in tensors:
             dist.broadcast(t, src=0, group=pg)

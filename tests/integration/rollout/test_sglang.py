@@ -5,7 +5,8 @@
 - `WeightSync` from a Megatron actor (one gloo rank), per tensor and flattened buckets:
   the server's logprobs then equal the actor's (1e-4); again with `--tp-size 2`, where
   both TP ranks must join the update group and load the weights;
-- three iterations of the CPU main job with `engine.urls` naming the server.
+- three iterations of the CPU main job with `engine.urls` naming the server, then again
+  colocated (memory released and resumed each iteration, weights as tensor handles).
 
 The server runs from `.venv-sglang` (`make test` installs it: docs/testing.md) or the
 Python named by MEGATRON_AGENT_SGLANG_PYTHON. Without one these tests fail under CI=true
@@ -217,6 +218,25 @@ def test_cpu_main_job_against_sglang(sglang, model_dir, tmp_path):
         assert row["weight_sync/bytes"] > 0
         for key in ("actor/pg_loss", "actor/grad_norm", "train/num_episodes"):
             assert math.isfinite(row[key]), key
+
+
+def test_colocated_cpu_main_job_against_sglang(sglang, model_dir, tmp_path):
+    """placement.colocate=true with the server as the colocated engine: every iteration
+    releases its memory after the rollout (SGLang on CPU accepts and frees nothing: its
+    memory saver is CUDA-only), resumes it and hands the weights over as shared-memory
+    tensor handles (/update_weights_from_tensor); the next rollout then serves them."""
+    server = sglang(1)
+    load_from_disk(server, model_dir)
+    history = run_on_ranks(_train, 1, [f"run_dir={tmp_path / 'run'}", f"model_dir={model_dir}",
+                                       f"engine.urls=['{server.url}']", "placement.colocate=true", "num_groups=2",
+                                       "group_size=2", "iterations=3", "loop.max_steps=3", "stop_success=null",
+                                       "val_every=0", "save_every=0", "samples_every=0", "check.every=1"],
+                           timeout_s=600)[0]
+    assert [row["iteration"] for row in history] == [0, 1, 2]
+    for row in history:
+        assert row["engine/memory_released"] == 1.0  # released after the rollout, resumed by the sync
+        assert row["weight_sync/bytes"] > 0
+        assert row["check/rollout_logprob_max_abs_diff"] < 1e-4, row
 
 
 def test_weight_sync_reaches_both_tp_ranks(sglang, model_dir):
