@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 import queue
 import threading
 import traceback
@@ -21,13 +22,16 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.engine_guard import generation_problem
-from rollout.engine_weights import receive_tensors, weight_view
+from rollout.engine_memory import free_parameters, memory_tags, reallocate_parameters, released_problem
+from rollout.engine_weights import receive_flat_bucket, receive_per_tensor, receive_tensors, weight_view
+from rollout.token_sampler import sample_tokens, token_uniforms
 from rollout.weight_group import (
     destroy_weight_update_group,
     dtype_from_name,
     init_weight_update_group,
     weight_checksum,
 )
+from rollout.weight_tensors import deserialize_named_tensors
 
 log = logging.getLogger("rollout.embedded_engine")
 
@@ -89,30 +93,10 @@ class _Row:
     max_new_tokens: int
     stop: list[str]
     stop_ids: set[int]
-    generator: torch.Generator | None
+    seed: int  # with the token's position, picks each sampled token (rollout/token_sampler.py)
     out_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
-
-
-def pick_token(logits: torch.Tensor, row: _Row) -> tuple[int, float]:
-    """Sample (or argmax) one token from fp32 logits [V]; return it and its logprob."""
-    if row.temperature <= 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
-    logp = torch.log_softmax(logits / row.temperature, dim=-1)
-    probs = logp.exp()
-    if 0 < row.top_k < probs.numel():
-        kth = torch.topk(probs, row.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if row.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of the tokens ranked above
-        sorted_p = torch.where(before < row.top_p * sorted_p.sum(), sorted_p, torch.zeros_like(sorted_p))
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    tok = int(torch.multinomial(probs, 1, generator=row.generator))
-    return tok, float(logp[tok])
 
 
 class Engine:
@@ -142,12 +126,16 @@ class Engine:
         self.abort_epoch = 0  # bumped by pause(mode=abort): batches begun before it end aborted
         self.in_update = False
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
+        self.receive_scratch = torch.empty(0, dtype=torch.uint8)  # reused by buckets that cannot land in place
+        self.released: set[str] = set()  # memory tags released (engine_memory.py)
+        self.freed: list = []  # the parameters "weights" freed, with their shapes
+        self.batch_running = False
         self.worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
         self.worker.start()
 
     # -- generation --------------------------------------------------------------------
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str) -> Request:
-        problem = generation_problem(input_ids, params.max_new_tokens,
+        problem = released_problem(self.released) or generation_problem(input_ids, params.max_new_tokens,
                                      vocab_size=self.model.get_input_embeddings().weight.shape[0],
                                      context_length=getattr(self.model.config, "max_position_embeddings", None),
                                      max_new_tokens_cap=self.max_new_tokens_cap)
@@ -181,6 +169,7 @@ class Engine:
                 except queue.Empty:
                     break
             try:
+                self.batch_running = True
                 self._run_batch(batch)
             except Exception:
                 err = traceback.format_exc()
@@ -189,6 +178,8 @@ class Engine:
                     if not r.done.is_set():
                         r.error = err
                         r.done.set()
+            finally:
+                self.batch_running = False
 
     def _wait_unpaused(self, epoch: int) -> bool:
         """Block while paused; True when the batch (started at `epoch`) is to be aborted."""
@@ -199,15 +190,11 @@ class Engine:
 
     def _make_row(self, req: Request) -> _Row:
         p = req.params
-        generator = None
-        if p.temperature > 0:
-            generator = torch.Generator()
-            seed = p.sampling_seed
-            generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+        seed = p.sampling_seed if p.sampling_seed is not None else int(torch.randint(0, 2**62, (1,)))
         stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
             stop_ids |= self.eos_ids
-        return _Row(req, p.temperature, p.top_p, p.top_k, p.max_new_tokens, list(p.stop), stop_ids, generator)
+        return _Row(req, p.temperature, p.top_p, p.top_k, p.max_new_tokens, list(p.stop), stop_ids, seed)
 
     def _check_finish(self, row: _Row, tok: int) -> None:
         if tok in row.stop_ids:
@@ -247,15 +234,21 @@ class Engine:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                                 use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}).logits[:, -1, :].float()
         next_pos = positions[:, -1] + 1
+        temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
+        top_k = torch.tensor([r.top_k for r in rows], dtype=torch.long)
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
         while True:
+            index = torch.tensor(active)
+            picked, logprobs = sample_tokens(logits, temperature[index], top_k[index], top_p[index], token_uniforms(
+                [rows[i].seed for i in active], [len(rows[i].out_ids) for i in active]))
+            picked, logprobs = picked.tolist(), logprobs.tolist()
             tokens = []
             for j, i in enumerate(active):
                 row = rows[i]
                 if row.finish is None:
-                    tok, lp = pick_token(logits[j], row)
-                    row.out_ids.append(tok)
-                    row.logprobs.append(lp)
-                    self._check_finish(row, tok)
+                    row.out_ids.append(picked[j])
+                    row.logprobs.append(logprobs[j])
+                    self._check_finish(row, picked[j])
                 tokens.append(row.out_ids[-1] if row.out_ids else self.pad_id)
             keep = [j for j, i in enumerate(active) if rows[i].finish is None]
             for i in active:
@@ -311,6 +304,34 @@ class Engine:
             self.paused = False
             self.pause_cv.notify_all()
 
+    # -- memory (colocated runs: engine_memory.py) ----------------------------------------
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free the memory of `tags` (None: all); only while idle, as SGLang."""
+        tags = self._memory_tags(tags)
+        with self.model_lock:
+            if self.batch_running or not self.queue.empty():
+                raise BadRequest("release_memory_occupation needs an idle engine (pause or finish generation first)")
+            if "weights" in tags and "weights" not in self.released:
+                self.freed = free_parameters(self.model)
+            self.released |= set(tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Allocate the memory of `tags` again (None: all); resumed weights are zeros
+        until the next weight update."""
+        tags = self._memory_tags(tags)
+        with self.model_lock:
+            if "weights" in tags and "weights" in self.released:
+                reallocate_parameters(self.freed)
+                self.freed = []
+            self.released -= set(tags)
+
+    @staticmethod
+    def _memory_tags(tags) -> list[str]:
+        try:
+            return memory_tags(tags)
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+
     # -- weights -----------------------------------------------------------------------
     def begin_weight_update(self) -> None:
         self.in_update = True
@@ -350,8 +371,34 @@ class Engine:
             raise BadRequest("names, dtypes and shapes differ in length")
         if load_format not in (None, "direct", "flattened_bucket"):
             raise BadRequest(f"load_format={load_format!r}; use null or 'flattened_bucket'")
-        tensors = receive_tensors(pg, torch_dtypes, shapes, flattened=load_format == "flattened_bucket")
-        self.load_weights(list(zip(names, tensors)))  # received first, so the sender never hangs
+        flattened = load_format == "flattened_bucket"
+        with self.model_lock, torch.no_grad():
+            views = self._weight_views(names, keep_vars=True)
+            problem = self._load_problem(names, views, shapes)
+            if problem:
+                receive_tensors(pg, torch_dtypes, shapes, flattened=flattened)  # so the sender never hangs
+                raise BadRequest(problem)
+            targets = [views[n] for n in names]
+            if flattened:
+                self.receive_scratch = receive_flat_bucket(pg, targets, torch_dtypes, shapes, self.receive_scratch)
+            else:
+                receive_per_tensor(pg, targets, torch_dtypes, shapes)
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def update_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                           weight_version: str | None = None) -> None:
+        """Load the tensors whose handles the trainer sent (weight_tensors.py), entry 0
+        (this engine's only rank; `RankedEngine` gives each rank its own)."""
+        if not self.in_update:
+            raise BadRequest("update_weights_from_tensor outside begin_weight_update/end_weight_update")
+        if not serialized_named_tensors:
+            raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)")
+        try:
+            named = deserialize_named_tensors(serialized_named_tensors[0], load_format)
+        except (ValueError, TypeError, KeyError, pickle.UnpicklingError) as err:
+            raise BadRequest(f"serialized_named_tensors: {type(err).__name__}: {err}") from None
+        self.load_weights(named)  # copies out of the sender's memory
         if weight_version is not None:
             self.weight_version = weight_version
 
@@ -371,16 +418,33 @@ class Engine:
         return weight_view(self.model.state_dict(), name)
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        views = {n: self.weight_view(n) for n, _ in named}
-        unknown = [n for n, v in views.items() if v is None]
-        if unknown:
-            raise BadRequest(f"unknown parameter names: {unknown[:5]}")
-        for n, t in named:
-            if tuple(views[n].shape) != tuple(t.shape):
-                raise BadRequest(f"{n}: shape {tuple(t.shape)}, the model has {tuple(views[n].shape)}")
+        if "weights" in self.released:
+            raise BadRequest("the weights' memory is released: POST /resume_memory_occupation "
+                             "{\"tags\": [\"weights\"]} before loading weights")
+        views = self._weight_views([n for n, _ in named])
+        problem = self._load_problem([n for n, _ in named], views, [t.shape for _, t in named])
+        if problem:
+            raise BadRequest(problem)
         with self.model_lock, torch.no_grad():
             for n, t in named:
                 views[n].copy_(t)
+
+    def _weight_views(self, names: list[str], keep_vars: bool = False) -> dict[str, torch.Tensor | None]:
+        state = self.model.state_dict(keep_vars=keep_vars)  # keep_vars: the parameters themselves
+        return {n: weight_view(state, n) for n in names}
+
+    def _load_problem(self, names: list[str], views: dict[str, torch.Tensor | None], shapes: list) -> str | None:
+        """Why these tensors cannot be loaded (None: they can)."""
+        if "weights" in self.released:
+            return ("the weights' memory is released: POST /resume_memory_occupation "
+                    "{\"tags\": [\"weights\"]} before loading weights")
+        unknown = [n for n in names if views[n] is None]
+        if unknown:
+            return f"unknown parameter names: {unknown[:5]}"
+        for n, shape in zip(names, shapes):
+            if tuple(views[n].shape) != tuple(shape):
+                return f"{n}: shape {tuple(shape)}, the model has {tuple(views[n].shape)}"
+        return None
 
     def weight_checksums(self, names: list[str]) -> dict[str, float]:
         """`weight_group.weight_checksum` of each named tensor (the weight-sync check)."""
@@ -393,7 +457,7 @@ class Engine:
     def model_info(self) -> dict:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
                 "is_generation": True, "weight_version": self.weight_version,
-                "engine": "megatron-agent-embedded"}
+                "engine": "megatron-agent-embedded", "memory_released": sorted(self.released)}
 
 
 def _make_aborted(req: Request) -> _Row:

@@ -6,7 +6,10 @@ Endpoints (`ROUTES`; each answers GET and POST alike, a GET with an empty body):
 /generate, /health, /health_generate, /model_info (/get_model_info), /weight_version
 (/get_weight_version), /init_weights_update_group, /destroy_weights_update_group,
 /begin_weight_update, /end_weight_update, /update_weights_from_distributed (per-tensor or
-load_format "flattened_bucket"), /update_weights_from_disk, /weights_checksum (not in
+load_format "flattened_bucket"), /update_weights_from_tensor (tensor handles in shared
+memory, SGLang's format: rollout/weight_tensors.py), /release_memory_occupation and
+/resume_memory_occupation (tags weights, kv_cache: rollout/engine_memory.py; /model_info
+reports `memory_released`), /update_weights_from_disk, /weights_checksum (not in
 SGLang: the weight-sync check), /update_weight_version, /pause_generation,
 /continue_generation, /flush_cache (no prefix cache is kept; always succeeds),
 /get_server_info (/server_info; `tp_size`: the engine's weight-update ranks, `--ranks N`).
@@ -53,6 +56,7 @@ from rollout.engine_guard import (
     require_token,
     resolved_dirs,
 )
+from rollout.engine_memory import released_problem
 from rollout.engine_ranks import RankedEngine, rank_checksums
 
 log = logging.getLogger("rollout.engine_server")
@@ -64,6 +68,7 @@ CONTROL_PATHS = frozenset({
     "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
     "/end_weight_update", "/update_weights_from_distributed", "/update_weights_from_disk",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache",
+    "/update_weights_from_tensor", "/release_memory_occupation", "/resume_memory_occupation",
 })
 
 # A route's handler takes the engine and the parsed JSON body and returns the 200 answer.
@@ -123,7 +128,11 @@ def generate(engine: Engine, body: dict):
 
 def _check_prompts(engine: Engine, prompts: list, sampling: list[SamplingParams]) -> None:
     """Every prompt, before any is queued (an engine with ranks deals them out): integer ids
-    within the vocabulary, max_new_tokens within the server's cap and the model's context."""
+    within the vocabulary, max_new_tokens within the server's cap and the model's context;
+    none while the engine's memory is released."""
+    released = released_problem(engine.released)
+    if released:
+        raise BadRequest(released)
     vocab = engine.model.get_input_embeddings().weight.shape[0]
     context = getattr(engine.model.config, "max_position_embeddings", None)
     for i, (ids, sp) in enumerate(zip(prompts, sampling)):
@@ -177,6 +186,22 @@ def _update_from_distributed(engine: Engine, body: dict) -> dict:
     return _ok(weight_version=engine.weight_version)
 
 
+def _update_from_tensor(engine: Engine, body: dict) -> dict:
+    engine.update_from_tensor(list(body["serialized_named_tensors"]), load_format=body.get("load_format"),
+                              weight_version=_version(body))
+    return _ok(weight_version=engine.weight_version)
+
+
+def _release_memory(engine: Engine, body: dict) -> dict:
+    engine.release_memory(body.get("tags"))
+    return _ok()
+
+
+def _resume_memory(engine: Engine, body: dict) -> dict:
+    engine.resume_memory(body.get("tags"))
+    return _ok()
+
+
 def _update_from_disk(engine: Engine, body: dict) -> dict:
     engine.update_from_disk(body["model_path"], _version(body))
     return _ok(weight_version=engine.weight_version)
@@ -225,6 +250,9 @@ _HANDLERS: dict[str, Handler] = {
     "/end_weight_update": _end_update,
     "/update_weights_from_distributed": _update_from_distributed,
     "/update_weights_from_disk": _update_from_disk,
+    "/update_weights_from_tensor": _update_from_tensor,
+    "/release_memory_occupation": _release_memory,
+    "/resume_memory_occupation": _resume_memory,
     "/weights_checksum": _weights_checksum,
     "/get_server_info": _server_info,
     "/server_info": _server_info,  # newer SGLang's name
@@ -359,7 +387,12 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 30000, *, token: str 
     engine.max_new_tokens_cap = max_new_tokens
     handler = make_handler(engine, token or None, allowed_weight_dirs=allowed_weight_dirs or [model],
                            max_body_bytes=max_body_bytes)
-    server = ThreadingHTTPServer((host, port), handler)
+    server = ThreadingHTTPServer((host, port), handler, bind_and_activate=False)
+    # The asynchronous agent loop opens a connection per request, dozens at once: the
+    # default backlog (5) overflows into SYN cookies and resets.
+    server.request_queue_size = 1024
+    server.server_bind()
+    server.server_activate()
     server.daemon_threads = True
     log.info("embedded engine for %s on http://%s:%d", model, host, port)
     server.serve_forever()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.embedded_engine import BadRequest, Engine, _Row, pick_token
+from rollout.embedded_engine import BadRequest, Engine
 from rollout.engine_server import generate
 from rollout.weight_group import flatten_bucket, unflatten_bucket
 
@@ -81,17 +81,6 @@ def test_stop_strings_stop_ids_and_length(engine):
     assert by_text["meta_info"]["finish_reason"]["type"] == "stop"
     assert stop in engine.tokenizer.decode(by_text["output_ids"])
     assert len(by_text["output_ids"]) <= 3
-
-
-def test_top_k_one_is_greedy_and_top_p_keeps_the_head():
-    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
-    g = torch.Generator().manual_seed(0)
-    row = _Row(None, 1.0, 1.0, 1, 10, [], set(), g)
-    assert {pick_token(logits, row)[0] for _ in range(20)} == {1}
-    row = _Row(None, 1.0, 0.5, -1, 10, [], set(), g)  # tokens 1 and 3 hold > half the mass together
-    assert {pick_token(logits, row)[0] for _ in range(50)} <= {1, 3}
-    tok, lp = pick_token(logits, row)
-    assert lp == pytest.approx(float(torch.log_softmax(logits, -1)[tok]))  # before truncation
 
 
 def test_bad_requests_are_refused(engine):
