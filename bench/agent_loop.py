@@ -3,7 +3,7 @@
 1. Overhead: 16 groups x 8 episodes of Sokoban with embedded engine process(es); the
    share of wall time that is neither generation nor env stepping (prompt building,
    tokenisation, decoding, sample bookkeeping, HTTP framing is counted as generation),
-   synchronous and with two async slots.
+   lock-step and asynchronous (rollout/async_loop.py).
 2. Throughput: output tokens/s of the embedded engine (in process, and through HTTP)
    against HF transformers' `generate` on the same model, batch and thread count.
 
@@ -42,14 +42,11 @@ def overhead(model_dir, args) -> None:
           f"max_new_tokens={args.max_new_tokens}, env backend={args.env_backend}")
     print(f"{'mode':<22} {'wall s':>8} {'generate s':>11} {'env s':>7} {'overhead':>9} {'steps':>6} {'success':>8}")
     try:
-        for mode in ("sync", "async, 2 slots"):
-            if mode == "sync":
-                envs = [EnvManager("sokoban", None, 16, 8, backend=args.env_backend)]
-            else:
-                envs = [EnvManager("sokoban", None, 8, 8, backend=args.env_backend) for _ in range(2)]
+        for mode in ("lockstep", "async"):
+            envs = [EnvManager("sokoban", None, 16, 8, backend=args.env_backend)]
             try:
                 run_rollout(envs, client, tokenizer, replace(cfg, max_steps=1), seeds)  # warm-up
-                r = run_rollout(envs, client, tokenizer, replace(cfg, async_slots=mode != "sync"), seeds)
+                r = run_rollout(envs, client, tokenizer, replace(cfg, mode=mode), seeds)
             finally:
                 for e in envs:
                     e.close()

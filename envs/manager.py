@@ -4,6 +4,12 @@ Copy i belongs to group i // group_size. Copies are sharded over a fixed set of
 workers (contiguous slices); one message per worker per call carries the whole shard,
 so the per-step overhead is one round trip per worker, not per copy.
 
+Two ways to step: `step(texts)` steps every copy at once (lock-step);
+`step_copies({copy: text})` steps some of them, and may be called from several threads
+at once for disjoint copies (the asynchronous agent loop steps each episode as soon as
+its response is back). Each worker serves one call at a time (a lock per worker);
+copies of different workers step in parallel.
+
 Backends:
 - "process" (default): worker processes started with spawn (safe next to a trainer
   that holds torch and threads), one duplex pipe each. No Ray needed.
@@ -15,14 +21,17 @@ Failure handling:
   episode ends (done, info["failed"] = True, info["error"] = traceback) and the copy is
   rebuilt for the next reset. The rest of the batch is unaffected.
 - A worker that dies (killed, segfault, out of memory) or exceeds step_timeout_s:
-  it is restarted with fresh copies. Its copies that were mid-episode end as failed;
-  its copies that had already finished keep their last result. A reset is retried once.
+  it is restarted with fresh copies. Its copies that were mid-episode end as failed (the
+  ones not in that call at their next step); its copies that had already finished keep
+  their last result. A reset is retried once.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -44,6 +53,7 @@ class EnvManager:
 
     reset(seeds)  -> list[Observation]              one seed per group
     step(texts)   -> (list[Observation], rewards float64 [N], dones bool [N], infos list[dict])
+    step_copies({i: text}) -> {i: (Observation, reward, done, info)}   some copies; thread-safe
 
     Copies that are already done are not stepped: their text is ignored (None is fine)
     and they come back with their last observation and info, reward 0.0, done True.
@@ -104,6 +114,9 @@ class EnvManager:
         self.infos: list[dict] = [make_info(True, False, failed=False) for _ in range(self.num_envs)]
         self.dones = np.ones(self.num_envs, dtype=bool)
         self.restarts = 0
+        self._worker_locks = [threading.Lock() for _ in self.workers]
+        self._restart_lock = threading.Lock()
+        self._lost: dict[int, str] = {}  # mid-episode copies a worker restart took, and why
 
     # -- introspection -------------------------------------------------------
     def worker_pids(self) -> list[int | None]:
@@ -119,10 +132,12 @@ class EnvManager:
                 f"reset() takes one seed per group: got {len(seeds)}, expected {self.num_groups}"
             )
         seed_of = [int(seeds[g]) for g in self.group_ids]
-        payloads = [[(i, seed_of[i]) for i in shard] for shard in self.shards]
-        results = self._round(
-            "reset", payloads, on_death=lambda w, err: self._retry_reset(w, payloads[w], err)
-        )
+        payloads = {w: [(i, seed_of[i]) for i in shard] for w, shard in enumerate(self.shards)}
+        with _held(self._worker_locks):
+            results = self._round(
+                "reset", payloads, on_death=lambda w, err: self._retry_reset(w, payloads[w], err)
+            )
+            self._lost.clear()
         for idx, obs, info in results:
             self.infos[idx] = info
             self.dones[idx] = info["failed"]
@@ -134,19 +149,35 @@ class EnvManager:
     ) -> tuple[list[Observation], np.ndarray, np.ndarray, list[dict]]:
         if len(texts) != self.num_envs:
             raise ValueError(f"step() takes one text per copy: got {len(texts)}, expected {self.num_envs}")
-        payloads = [[(i, texts[i]) for i in shard if not self.dones[i]] for shard in self.shards]
-        rewards = np.zeros(self.num_envs, dtype=np.float64)
+        results = self.step_copies(dict(enumerate(texts)))
+        rewards = np.array([results[i][1] for i in range(self.num_envs)], dtype=np.float64)
+        return list(self.observations), rewards, self.dones.copy(), [dict(i) for i in self.infos]
+
+    def step_copies(self, texts: Mapping[int, str | None]) -> dict[int, tuple[Observation, float, bool, dict]]:
+        """Step the named copies; {copy: (observation, reward, done, info)}. A copy that is
+        done is not stepped (its last observation and info, reward 0.0). Safe to call from
+        several threads for disjoint copies."""
+        payloads: dict[int, list] = {}
+        for i, text in texts.items():
+            if not self.dones[i]:
+                payloads.setdefault(self.worker_of(i), []).append((i, text))
+        rewards = dict.fromkeys(texts, 0.0)
 
         def died(w, err):
             return [(i, None, 0.0, True, failed_info(err)) for i, _ in payloads[w]]
 
-        for idx, obs, reward, done, info in self._round("step", payloads, on_death=died):
+        with _held([self._worker_locks[w] for w in sorted(payloads)]):
+            lost = {i: self._lost.pop(i) for _, items in payloads.items() for i, _ in items if i in self._lost}
+            payloads = {w: [(i, t) for i, t in items if i not in lost] for w, items in payloads.items()}
+            results = self._round("step", payloads, on_death=died)
+        results += [(i, None, 0.0, True, failed_info(err)) for i, err in lost.items()]
+        for idx, obs, reward, done, info in results:
             if obs is not None:
                 self.observations[idx] = obs
             rewards[idx] = reward
             self.dones[idx] = done
             self.infos[idx] = info
-        return list(self.observations), rewards, self.dones.copy(), [dict(i) for i in self.infos]
+        return {i: (self.observations[i], rewards[i], bool(self.dones[i]), dict(self.infos[i])) for i in texts}
 
     def close(self) -> None:
         for w in getattr(self, "workers", []):
@@ -166,12 +197,12 @@ class EnvManager:
         self.close()
 
     # -- internals -------------------------------------------------------------
-    def _round(self, cmd: str, payloads: list[list], on_death) -> list:
+    def _round(self, cmd: str, payloads: dict[int, list], on_death) -> list:
         """Send each worker its payload, then gather; a dead worker is restarted and
-        on_death(worker_index, error) supplies its results."""
+        on_death(worker_index, error) supplies its results. The caller holds the workers' locks."""
         dead: dict[int, str] = {}
         busy = []
-        for w, payload in enumerate(payloads):
+        for w, payload in payloads.items():
             if not payload:
                 continue
             try:
@@ -186,12 +217,17 @@ class EnvManager:
             except WorkerDied as e:
                 dead[w] = str(e)
         for w, err in dead.items():
+            called = {i for i, _ in payloads[w]}
+            for i in self.shards[w]:  # the restart takes these copies' episodes too
+                if not self.dones[i] and i not in called:
+                    self._lost[i] = err
             self._restart(w)
             results.extend(on_death(w, err))
         return results
 
     def _restart(self, w: int) -> None:
-        self.restarts += 1
+        with self._restart_lock:
+            self.restarts += 1
         self.workers[w].restart()
 
     def _retry_reset(self, w: int, payload: list, err: str) -> list:
@@ -201,3 +237,13 @@ class EnvManager:
         except WorkerDied as e:
             self._restart(w)
             return [(i, None, failed_info(f"{err}\nretry: {e}")) for i, _ in payload]
+
+
+
+@contextmanager
+def _held(locks: Sequence[threading.Lock]):
+    """Hold several locks, taken in the given order (callers sort them: no deadlock)."""
+    with ExitStack() as stack:
+        for lock in locks:
+            stack.enter_context(lock)
+        yield

@@ -3,34 +3,49 @@
     result = run_rollout(envs, engine, tokenizer, config, seeds)
     result.samples                             # one StepSample per (trajectory, step)
 
-For each env group: reset with the group's seed; then, each step, every *active* copy
-gets a prompt (instructions + its memory's history + current observation, see
-rollout/prompts.py), the engine generates, the text is decoded and handed to the env's
-own projection via `EnvManager.step` (done copies get None), and the step becomes one
-StepSample. A copy stops at done or at `max_steps`.
+For each env group: reset with the group's seed; then, each step, a copy gets a prompt
+(instructions + its memory's history + current observation, see rollout/prompts.py), the
+engine generates, the text is decoded and handed to the env's own projection, and the
+step becomes one StepSample. A copy stops at done or at `max_steps`.
 
-`envs` may be one EnvManager or several ("slots", each a set of groups). With
-`async_slots` each slot runs in its own thread, so one slot's env step overlaps another
-slot's generation. Each request's sampling seed is derived from (sampling seed,
-rollout_index, env seed, copy within the group, step), never from call order, so the
-async run returns the same samples as the synchronous one (lock-step over all slots).
+Two loops (`config.mode`):
+- "async" (default, rollout/async_loop.py): each episode takes its next step as soon as
+  its own response is back; engines see a continuous stream of requests and env steps
+  overlap generation. At scale one long response no longer holds up every episode.
+- "lockstep": every active copy generates (one batch `generate`), then every env steps,
+  then the next step.
+Each request's sampling seed is derived from (sampling seed, rollout_index, env seed,
+copy within the group, step), never from call order, so both loops return the same
+samples for the same seeds on an engine whose outputs do not depend on what it batches
+together. Which engines are (docs/rollout.md): the embedded engine at
+`max_batch_size=1` bit for bit; at its default batching in fp32 the tokens (logprobs
+differ by ~1e-6, so a sampled token could flip only on a draw that close to a boundary;
+tested equal); in bf16 the logprobs differ by ~1e-3 and tokens may differ; SGLang
+servers batch continuously and are not batch-invariant unless run in their
+deterministic-inference mode. Samples come back sorted by (group, trajectory, step)
+whatever the completion order.
+
+`envs` may be one EnvManager or several ("slots", each a set of groups); both loops
+play all slots' episodes together.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rollout.memory import Memory, StepRecord, memory_factory
-from rollout.prompts import PromptConfig, build_prompt
+from rollout.async_loop import run_async
+from rollout.episodes import RolloutSettings, Slot, Timeline, sampling_seed  # noqa: F401 (sampling_seed: re-exported)
+from rollout.memory import Memory, memory_factory
+from rollout.prompts import PromptConfig
 from rollout.samples import StepSample
 from rollout.sampling import SamplingConfig
+
+LOOP_MODES = ("async", "lockstep")
 
 
 @dataclass
@@ -46,42 +61,12 @@ class AgentLoopConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    # Overlap env stepping of one env manager (a slot of groups) with generation for
-    # another. Results equal a synchronous run with the same seeds (tested), so it is on.
-    async_slots: bool = True
+    # "async": each episode steps as soon as its response is back; "lockstep": all
+    # copies generate, then all step. The same samples on a batch-invariant engine.
+    mode: str = "async"
     # Episodes whose env copy broke (info["failed"]) are not the policy's doing: their
     # samples are dropped and counted in metrics.
     drop_failed_episodes: bool = True
-
-
-@dataclass
-class Timeline:
-    """(start, end) intervals of generation and env work, to measure loop overhead."""
-
-    intervals: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def record(self, kind: str, start: float, end: float) -> None:
-        with self.lock:
-            self.intervals[kind].append((start, end))
-
-    def busy(self, kinds: Sequence[str]) -> float:
-        """Wall time covered by the union of the intervals of `kinds`."""
-        spans = sorted(iv for k in kinds for iv in self.intervals.get(k, []))
-        total, cur_start, cur_end = 0.0, None, None
-        for s, e in spans:
-            if cur_end is None or s > cur_end:
-                if cur_end is not None:
-                    total += cur_end - cur_start
-                cur_start, cur_end = s, e
-            else:
-                cur_end = max(cur_end, e)
-        if cur_end is not None:
-            total += cur_end - cur_start
-        return total
-
-    def total(self, kind: str) -> float:
-        return sum(e - s for s, e in self.intervals.get(kind, []))
 
 
 @dataclass
@@ -89,39 +74,6 @@ class RolloutResult:
     samples: list[StepSample]  # failed episodes left out when config.drop_failed_episodes
     metrics: dict[str, float]
     episodes: list[list[StepSample]]  # every trajectory's samples in step order, failed included
-
-
-def sampling_seed(base: int, rollout_index: int, env_seed: int, copy: int, step: int) -> int:
-    state = np.random.SeedSequence([base & 0xFFFFFFFF, rollout_index, env_seed, copy, step]).generate_state(2)
-    return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 62) - 1)
-
-
-class _Slot:
-    """One EnvManager's episodes, advanced one step at a time."""
-
-    def __init__(self, envs, seeds: Sequence[int], group_offset: int, make_memory: Callable[[], Memory]):
-        self.envs = envs
-        self.seeds = [int(s) for s in seeds]
-        self.group_offset = group_offset
-        self.make_memory = make_memory
-        self.G = envs.group_size
-        self.trajectories: list[list[StepSample]] = [[] for _ in range(envs.num_envs)]
-        self.failed = np.zeros(envs.num_envs, dtype=bool)
-
-    def reset(self, timeline: Timeline) -> None:
-        t0 = time.perf_counter()
-        self.observations = self.envs.reset(self.seeds)
-        timeline.record("env", t0, time.perf_counter())
-        self.failed = np.array([bool(i.get("failed")) for i in self.envs.infos])
-        self.active = ~self.envs.dones.copy()
-        self.memories = [self.make_memory() for _ in range(self.envs.num_envs)]
-        self.step_index = 0
-
-    def env_seed(self, i: int) -> int:
-        return self.seeds[i // self.G]
-
-    def traj_id(self, i: int) -> int:
-        return (self.group_offset + i // self.G) * self.G + i % self.G
 
 
 def run_rollout(
@@ -139,115 +91,74 @@ def run_rollout(
     """Play one episode per env copy and return one StepSample per (trajectory, step).
 
     envs: an EnvManager, or a list of them (slots); `seeds` has one seed per group over
-    all slots, in order. engine: anything with EngineClient's `generate`. rollout_index:
-    mixed into the sampling seeds (pass the iteration, so iterations differ). first_group:
-    the group id of the first group (group and trajectory ids count on from it, so the
-    samples of several rollouts of one batch stay apart).
+    all slots, in order. engine: anything with EngineClient's `generate` (and `submit`,
+    else the async loop calls `generate` per request). rollout_index: mixed into the
+    sampling seeds (pass the iteration, so iterations differ). first_group: the group id
+    of the first group (group and trajectory ids count on from it, so the samples of
+    several rollouts of one batch stay apart).
     """
+    if config.mode not in LOOP_MODES:
+        raise ValueError(f"loop mode {config.mode!r}; use one of {LOOP_MODES}")
     slots_envs = list(envs) if isinstance(envs, list | tuple) else [envs]
-    sampling = sampling or config.sampling
-    make_memory = make_memory or memory_factory(config.prompt.memory, config.prompt.history_length)
     if len(seeds) != sum(e.num_groups for e in slots_envs):
         raise ValueError(f"{len(seeds)} seeds for {sum(e.num_groups for e in slots_envs)} groups")
+    settings = RolloutSettings(
+        tokenizer, config.prompt, sampling or config.sampling, rollout_index, config.max_steps,
+        make_memory or memory_factory(config.prompt.memory, config.prompt.history_length))
     slots, offset = [], 0
     for e in slots_envs:
-        slots.append(_Slot(e, seeds[offset:offset + e.num_groups], first_group + offset, make_memory))
+        slots.append(Slot(e, seeds[offset:offset + e.num_groups], first_group + offset, settings))
         offset += e.num_groups
 
     timeline = Timeline()
-    tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
     start = time.perf_counter()
-
-    def prompts_of(slot: _Slot):
-        with tokenizer_lock:
-            return [(i, build_prompt(tokenizer, slot.envs.instructions, slot.observations[i].text,
-                                     slot.memories[i], slot.step_index, config.prompt))
-                    for i in np.flatnonzero(slot.active)]
-
-    def requests_of(slot: _Slot, prompts):
-        params = [sampling.to_params(None if sampling.seed is None else sampling_seed(
-            sampling.seed, rollout_index, slot.env_seed(i), i % slot.G, slot.step_index)) for i, _ in prompts]
-        keys = [f"r{rollout_index}-s{slot.env_seed(i)}-t{slot.traj_id(i)}" for i, _ in prompts]
-        return [p.ids for _, p in prompts], params, keys, slot.step_index
-
-    def generate(ids, params, keys, steps):
-        t0 = time.perf_counter()
-        rids = [f"{k}-step{t}" for k, t in zip(keys, steps)]
-        outs = engine.generate(ids, params, rids=rids, sticky_keys=keys)
-        timeline.record("generate", t0, time.perf_counter())
-        return outs
-
-    def advance(slot: _Slot, prompts, outs) -> None:
-        with tokenizer_lock:
-            texts_of = {i: tokenizer.decode(o.output_ids, skip_special_tokens=True)
-                        for (i, _), o in zip(prompts, outs)}
-        texts = [texts_of.get(i) for i in range(slot.envs.num_envs)]
-        t0 = time.perf_counter()
-        new_obs, rewards, dones, infos = slot.envs.step(texts)
-        timeline.record("env", t0, time.perf_counter())
-        for (i, prompt), out in zip(prompts, outs):
-            info = infos[i]
-            obs = slot.observations[i]
-            sample = StepSample(
-                prompt_ids=prompt.ids, response_ids=list(out.output_ids), rollout_logprobs=list(out.logprobs),
-                reward=float(rewards[i]), episode_return=0.0, group_id=slot.group_offset + i // slot.G,
-                traj_id=slot.traj_id(i), step_index=slot.step_index, anchor=obs.anchor,
-                is_action_valid=bool(info.get("is_action_valid", True)), done=bool(dones[i]),
-                won=bool(info.get("won", False)), env_seed=slot.env_seed(i), env_name=slot.envs.name,
-                task_type=str(info.get("task_type") or slot.envs.name),
-                truncated_history=prompt.truncated_history, history_entries=prompt.history_entries,
-                finish_reason=out.finish_reason, response_text=texts[i], weight_version=out.weight_version,
-                info={k: v for k, v in info.items() if k in ("failed", "error", "truncated", "action")},
-            )
-            slot.trajectories[i].append(sample)
-            slot.memories[i].store(StepRecord(slot.step_index, obs.text, texts[i], float(rewards[i]),
-                                              sample.is_action_valid))
-            if info.get("failed"):
-                slot.failed[i] = True
-            if dones[i]:
-                slot.active[i] = False
-        slot.observations = new_obs
-        slot.step_index += 1
-        if slot.step_index >= config.max_steps:
-            slot.active[:] = False
-
-    if config.async_slots and len(slots) > 1:
-        def run_slot(slot: _Slot) -> None:
-            slot.reset(timeline)
-            while slot.active.any():
-                prompts = prompts_of(slot)
-                ids, params, keys, step = requests_of(slot, prompts)
-                outs = generate(ids, params, keys, [step] * len(ids))
-                advance(slot, prompts, outs)
-
-        with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="rollout-slot") as pool:
-            for f in [pool.submit(run_slot, s) for s in slots]:
-                f.result()
-    else:
-        for slot in slots:
-            slot.reset(timeline)
-        while any(s.active.any() for s in slots):
-            live = [s for s in slots if s.active.any()]
-            per_slot = [prompts_of(s) for s in live]
-            reqs = [requests_of(s, p) for s, p in zip(live, per_slot)]
-            outs = generate([x for r in reqs for x in r[0]], [x for r in reqs for x in r[1]],
-                            [x for r in reqs for x in r[2]], [r[3] for r in reqs for _ in r[0]])
-            at = 0
-            for s, p in zip(live, per_slot):
-                advance(s, p, outs[at:at + len(p)])
-                at += len(p)
-    wall = time.perf_counter() - start
-
-    episodes, failed = [], []
     for slot in slots:
-        for i, traj in enumerate(slot.trajectories):
-            ret = float(sum(s.reward for s in traj))
-            for s in traj:
-                s.episode_return = ret
-            episodes.append(traj)
-            failed.append(bool(slot.failed[i]))
+        t0 = time.perf_counter()
+        slot.reset()
+        timeline.record("env", t0, time.perf_counter())
+    if config.mode == "async":
+        run_async(slots, engine, timeline)
+    else:
+        run_lockstep(slots, engine, timeline)
+    wall = time.perf_counter() - start
+    return rollout_result(slots, config, timeline, wall)
+
+
+def run_lockstep(slots: list[Slot], engine, timeline: Timeline) -> None:
+    """Step by step: every active copy of every slot generates (one batch), then each
+    slot's envs step the copies that generated."""
+    while any(s.active.any() for s in slots):
+        batch = [(s, i, s.prompt(i)) for s in slots for i in s.active_copies()]
+        requests = [s.request(i, p) for s, i, p in batch]
+        t0 = time.perf_counter()
+        outputs = engine.generate([r.ids for r in requests], [r.params for r in requests],
+                                  rids=[r.rid for r in requests], sticky_keys=[r.sticky_key for r in requests])
+        timeline.record("generate", t0, time.perf_counter())
+        for slot in slots:
+            mine = [(i, p, out) for (s, i, p), out in zip(batch, outputs) if s is slot]
+            if not mine:
+                continue
+            texts = {i: slot.decode(out) for i, _, out in mine}
+            t0 = time.perf_counter()
+            stepped = slot.envs.step_copies(texts)
+            timeline.record("env", t0, time.perf_counter())
+            for i, prompt, out in mine:
+                slot.record(i, prompt, out, texts[i], stepped[i])
+
+
+def rollout_result(slots: list[Slot], config: AgentLoopConfig, timeline: Timeline, wall: float) -> RolloutResult:
+    """Episodes in (group, trajectory) order with their returns, samples in (group,
+    trajectory, step) order, and the metrics."""
+    trajectories = sorted(((slot.traj_id(i), traj, bool(slot.failed[i]))
+                           for slot in slots for i, traj in enumerate(slot.trajectories)), key=lambda t: t[0])
+    episodes = [traj for _, traj, _ in trajectories]
+    failed = [f for _, _, f in trajectories]
+    for traj in episodes:
+        ret = float(sum(s.reward for s in traj))
+        for s in traj:
+            s.episode_return = ret
     keep = [t for t, f in zip(episodes, failed) if not (f and config.drop_failed_episodes)]
-    samples = [s for t in keep for s in t]
+    samples = sorted((s for t in keep for s in t), key=lambda s: (s.group_id, s.traj_id, s.step_index))
     metrics = rollout_metrics(episodes, failed)
     metrics.update({
         "rollout/time_s": wall,

@@ -3,8 +3,18 @@ SGLang router, or the embedded CPU engine): token ids in, token ids and logprobs
 
 Several servers are balanced here: each request goes to the least-loaded live server,
 and a request with a sticky key (the trajectory) goes back to the server that served
-that key before, so its growing prefix can hit that server's prefix cache. Behind an
-SGLang router, pass the router's URL alone; it balances and routes by cache itself.
+that key before, so its growing prefix can hit that server's prefix cache, unless that
+server holds more than `rebalance_threshold` requests (in flight or queued) over the
+least-loaded one: then the key moves there (as SGLang's router balances cache-aware
+routing). Behind an SGLang router, pass the router's URL alone; it balances and routes
+by cache itself.
+
+Two ways to generate: `generate(batch)` sends each server its share of the batch in one
+request and returns when all are back (the lock-step agent loop); `submit(one prompt)`
+returns a Future at once (the asynchronous loop keeps thousands in flight). Submitted
+requests queue per server and at most `max_inflight_per_engine` of them are open at
+a time on each (one HTTP call each, from that server's pool of as many threads), so a
+server that batches continuously (SGLang) always has work and is never flooded.
 
 A server that fails a request (connection refused or reset, timeout, HTTP 5xx) is
 marked dead, logged with a warning naming it, and its requests are re-sent to the
@@ -26,7 +36,7 @@ import urllib.error
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 
 log = logging.getLogger("rollout.engine_client")
@@ -83,9 +93,21 @@ def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: flo
         return e.code, _decode(e.read())
 
 
+def _settle(done: Future, result=None, error: BaseException | None = None) -> None:
+    """Resolve a submitted request's Future unless its caller cancelled it meanwhile."""
+    try:
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+    except InvalidStateError:
+        pass
+
+
 class EngineClient:
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 300.0, max_attempts: int = 3,
-                 auth_token: str | None = None, max_sticky_keys: int = 1_000_000):
+                 auth_token: str | None = None, max_sticky_keys: int = 1_000_000,
+                 max_inflight_per_engine: int = 64, rebalance_threshold: int = 32, transport=None):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -98,6 +120,12 @@ class EngineClient:
         self.max_sticky_keys = max_sticky_keys
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=max(8, 4 * len(self.urls)), thread_name_prefix="engine-http")
+        self.max_inflight_per_engine = max_inflight_per_engine
+        self.rebalance_threshold = rebalance_threshold
+        self.lanes: dict[str, ThreadPoolExecutor] = {}  # submit()'s requests, per server
+        # (method, url, body, timeout_s=, token=) -> (status, body); http_json unless a
+        # benchmark or test serves the protocol in process.
+        self.transport = transport or http_json
         self.dead_events: list[tuple[str, str]] = []  # (url, reason), for tests and metrics
 
     # -- generation --------------------------------------------------------------------
@@ -154,23 +182,89 @@ class EngineClient:
         return results  # type: ignore[return-value]
 
     def _assign(self, indices: list[int], keys: list[str | None]) -> dict[str, list[int]]:
+        by_server: dict[str, list[int]] = {}
+        for i in indices:
+            by_server.setdefault(self._pick(keys[i]), []).append(i)
+        return by_server
+
+    def _pick(self, key: str | None) -> str:
+        """The server for one request: its sticky server if alive and not overloaded,
+        else the least loaded (counted as in flight or queued); the request counts as
+        load until released."""
         with self.lock:
             if not self.alive:
                 raise NoEngineLeft(f"no rollout engine left of {self.urls} ({self._dead_summary()})")
-            by_server: dict[str, list[int]] = {}
-            for i in indices:
-                url = self.sticky.get(keys[i]) if keys[i] is not None else None
-                if url not in self.alive:
-                    url = min(self.alive, key=lambda u: (self.load[u], self.urls.index(u)))
-                    if keys[i] is not None:
-                        self.sticky[keys[i]] = url
-                        if len(self.sticky) > self.max_sticky_keys:
-                            self.sticky.popitem(last=False)
-                elif keys[i] is not None:
-                    self.sticky.move_to_end(keys[i])
-                self.load[url] += 1
-                by_server.setdefault(url, []).append(i)
-            return by_server
+            url = self.sticky.get(key) if key is not None else None
+            least = min(self.alive, key=lambda u: (self.load[u], self.urls.index(u)))
+            if url not in self.alive or self.load[url] > self.load[least] + self.rebalance_threshold:
+                url = least
+                if key is not None:
+                    self.sticky[key] = url
+                    if len(self.sticky) > self.max_sticky_keys:
+                        self.sticky.popitem(last=False)
+            elif key is not None:
+                self.sticky.move_to_end(key)
+            self.load[url] += 1
+            return url
+
+    # -- one request at a time, many in flight ----------------------------------------
+    def submit(self, input_ids: Sequence[int], sampling_params: dict, *, rid: str | None = None,
+               sticky_key: str | None = None) -> Future:
+        """Queue one request; the Future's result is its GenerateOutput. A server that
+        fails it is marked dead and the request re-sent elsewhere (up to max_attempts).
+        Cancelling the Future before the request is sent drops it."""
+        done: Future = Future()
+        self._send(done, list(map(int, input_ids)), sampling_params, rid, sticky_key, attempt=0)
+        return done
+
+    def _send(self, done: Future, ids: list[int], params: dict, rid, key, attempt: int) -> None:
+        try:
+            url = self._pick(key)
+        except NoEngineLeft as e:
+            _settle(done, error=e)
+            return
+        with self.lock:
+            if url not in self.lanes:
+                self.lanes[url] = ThreadPoolExecutor(max_workers=self.max_inflight_per_engine,
+                                                     thread_name_prefix="engine-lane")
+            lane = self.lanes[url]
+        try:
+            lane.submit(self._run_one, done, url, ids, params, rid, key, attempt)
+        except RuntimeError as e:  # closed
+            self._release(url, key, failed=False)
+            _settle(done, error=EngineError(f"client closed: {e}"))
+
+    def _run_one(self, done: Future, url: str, ids, params, rid, key, attempt: int) -> None:
+        if done.cancelled():  # the caller gave up on it (an aborted rollout): never sent
+            self._release(url, key, failed=False)
+            return
+        if url not in self.alive:  # marked dead while this request queued: no attempt spent
+            self._release(url, key, failed=True)
+            self._send(done, ids, params, rid, key, attempt)
+            return
+        try:
+            out = self._post_generate(url, [ids], [params], [rid] if rid else None)[0]
+        except _ServerFailed as e:
+            self._release(url, key, failed=True)
+            self._mark_dead(url, str(e))
+            if attempt + 1 >= self.max_attempts:
+                _settle(done, error=EngineError(f"request {rid} failed on {self.max_attempts} attempts "
+                                                f"({self._dead_summary()})"))
+            else:
+                self._send(done, ids, params, rid, key, attempt + 1)
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self._release(url, key, failed=False)
+            _settle(done, error=e)
+            return
+        self._release(url, key, failed=False)
+        _settle(done, result=out)
+
+    def _release(self, url: str, key: str | None, failed: bool) -> None:
+        with self.lock:
+            self.load[url] -= 1
+            if failed and key is not None:
+                self.sticky.pop(key, None)
 
     def _post_generate(self, url: str, input_ids, params, rids) -> list[GenerateOutput]:
         body = {"input_ids": [list(map(int, ids)) for ids in input_ids], "sampling_params": params,
@@ -195,7 +289,7 @@ class EngineClient:
                 raise EngineError(f"{url} returned {len(ids)} output ids but {len(token_lps)} logprobs")
             finish = meta.get("finish_reason") or {}
             outs.append(GenerateOutput(
-                output_ids=ids, logprobs=[float(lp) for lp, *_ in token_lps],
+                output_ids=ids, logprobs=[float(t[0]) for t in token_lps],
                 finish_reason=finish.get("type", "") if isinstance(finish, dict) else str(finish),
                 text=item.get("text", ""), weight_version=str(meta.get("weight_version", "")), server=url,
             ))
@@ -203,8 +297,8 @@ class EngineClient:
 
     def _call(self, url: str, path: str, body: dict | None, timeout_s: float | None = None):
         try:
-            return http_json("GET" if body is None else "POST", url + path, body,
-                             timeout_s=timeout_s or self.timeout_s, token=self.token)
+            return self.transport("GET" if body is None else "POST", url + path, body,
+                                  timeout_s=timeout_s or self.timeout_s, token=self.token)
         except (OSError, ValueError) as e:  # refused, reset, timed out, garbled
             raise _ServerFailed(f"{type(e).__name__}: {e}") from None
 
@@ -376,3 +470,7 @@ class EngineClient:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            lanes = list(self.lanes.values())
+        for lane in lanes:
+            lane.shutdown(wait=False, cancel_futures=True)

@@ -41,6 +41,9 @@ class EngineConfig:
     # Weight-update ranks of each embedded engine (replicas, `--ranks`); SGLang's is its TP size.
     ranks_per_engine: int = 1
     max_batch_size: int = 256
+    # The asynchronous agent loop's requests open at once on each engine (the rest queue in
+    # the client); about the engine's own batch, so it batches continuously.
+    max_inflight_per_engine: int = 64
     dtype: str = "float32"
     # What the driver starts when `urls` is empty: "embedded" (this project's CPU engine)
     # or "sglang" (an SGLang server per engine, on `gpus_per_engine` GPUs, placement=ray).
@@ -318,7 +321,7 @@ def start_sglang_cpu_server(model_path: str | Path, *, tp_size: int = 1, python:
 
 def engine_client(config: EngineConfig, urls: list[str]) -> EngineClient:
     return EngineClient(urls, timeout_s=config.timeout_s, max_attempts=config.max_attempts,
-                        auth_token=config.auth_token)
+                        auth_token=config.auth_token, max_inflight_per_engine=config.max_inflight_per_engine)
 
 
 def start_engines(config: EngineConfig, model_path: str | Path | None = None,

@@ -113,3 +113,27 @@ def test_ray_backend_matches_the_process_pool_and_survives_a_killed_actor():
         assert results["ray"] == results["process"]
     finally:
         ray.shutdown()
+
+
+def test_copies_stepped_one_by_one_from_threads_and_a_worker_that_exits():
+    """step_copies from several threads at once gives what the batch step gives; a worker
+    that dies under one copy's step takes its other mid-episode copies with it: they end
+    failed at their own next step, and nothing else does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with EnvManager("toy_counter", {"max_steps": 3}, num_groups=2, group_size=3, num_workers=2) as m:
+        m.reset([1, 2])
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda i: m.step_copies({i: "ab"})[i], range(6)))
+        assert [r[1] for r in got] == [2.0] * 6 and [r[0].anchor for r in got] == [(1, 1)] * 3 + [(2, 1)] * 3
+        assert not any(r[2] or r[3]["failed"] for r in got)
+
+        old_pid = m.worker_pids()[0]  # copies 0-2
+        first = m.step_copies({0: "exit"})[0]
+        assert first[2] and first[3]["failed"] and f"worker process {old_pid}" in first[3]["error"]
+        assert m.worker_pids()[0] != old_pid and m.restarts == 1
+        later = m.step_copies({1: "a", 2: "a", 3: "a"})
+        assert later[1][2] and later[1][3]["failed"] and later[2][3]["failed"] and later[1][1] == 0.0
+        assert not later[3][3]["failed"] and later[3][1] == 1.0 and later[3][0].anchor == (2, 2)
+        m.reset([1, 2])
+        assert not any(r[3]["failed"] for r in m.step_copies({i: "a" for i in range(6)}).values())

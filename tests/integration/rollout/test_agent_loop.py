@@ -129,33 +129,40 @@ class CountingEngine:
 def test_only_active_copies_generate(client, tokenizer):
     engine = CountingEngine(client)
     with EnvManager("numberline", {"render_image": False}, num_groups=2, group_size=4, backend="inline") as envs:
-        result = run_rollout(envs, engine, tokenizer, config(max_steps=10), seeds=[1, 2])
+        result = run_rollout(envs, engine, tokenizer, config(max_steps=10, mode="lockstep"), seeds=[1, 2])
     lengths = np.array([len(t) for t in result.episodes])
     assert engine.batch_sizes == [int((lengths > t).sum()) for t in range(lengths.max())]
 
 
-def test_async_slots_give_the_same_samples_as_a_synchronous_run(client, tokenizer):
+def test_async_and_lockstep_loops_give_the_same_samples(client, tokenizer):
+    """The embedded engine in fp32 batches requests but its tokens do not depend on the
+    batch (logprobs within ~1e-6): the asynchronous loop, on one manager or on two slots,
+    returns the lock-step loop's samples, in (group, trajectory, step) order."""
     seeds = [21, 22, 23, 24]
     cfg = config(max_steps=5)
     with EnvManager("sokoban", None, num_groups=4, group_size=2, backend="inline") as envs:
-        sync = run_rollout(envs, client, tokenizer, replace(cfg, async_slots=False), seeds)
-    slots = [EnvManager("sokoban", None, num_groups=2, group_size=2, backend="inline") for _ in range(2)]
+        lockstep = run_rollout(envs, client, tokenizer, replace(cfg, mode="lockstep"), seeds)
+        one = run_rollout(envs, client, tokenizer, replace(cfg, mode="async"), seeds)
+    slots = [EnvManager("sokoban", None, num_groups=2, group_size=2, backend="process", num_workers=2)
+             for _ in range(2)]
     try:
-        overlapped = run_rollout(slots, client, tokenizer, cfg, seeds)
+        overlapped = run_rollout(slots, client, tokenizer, replace(cfg, mode="async"), seeds)
     finally:
         for e in slots:
             e.close()
-    key = lambda s: (s.traj_id, s.step_index)  # noqa: E731
-    a, b = sorted(sync.samples, key=key), sorted(overlapped.samples, key=key)
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b):
-        assert (x.group_id, x.traj_id, x.step_index, x.anchor, x.reward, x.done) == \
-               (y.group_id, y.traj_id, y.step_index, y.anchor, y.reward, y.done)
-        assert x.prompt_ids == y.prompt_ids and x.response_ids == y.response_ids
-        np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-5)
+    key = lambda s: (s.group_id, s.traj_id, s.step_index)  # noqa: E731
+    assert len(lockstep.samples) > 0
+    for other in (one, overlapped):
+        a, b = lockstep.samples, other.samples
+        assert [key(s) for s in b] == sorted(key(s) for s in b) == [key(s) for s in a]
+        for x, y in zip(a, b):
+            assert (x.anchor, x.reward, x.done, x.episode_return) == (y.anchor, y.reward, y.done, y.episode_return)
+            assert x.prompt_ids == y.prompt_ids and x.response_ids == y.response_ids
+            np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-5)
+        assert [[s.traj_id for s in t] for t in other.episodes] == [[s.traj_id for s in t] for t in lockstep.episodes]
     other = run_rollout(EnvManager("sokoban", None, num_groups=4, group_size=2, backend="inline"), client,
-                        tokenizer, replace(cfg, async_slots=False), seeds, rollout_index=1)
-    assert [s.response_ids for s in other.samples] != [s.response_ids for s in a]
+                        tokenizer, cfg, seeds, rollout_index=1)
+    assert [s.response_ids for s in other.samples] != [s.response_ids for s in lockstep.samples]
 
 
 def test_validation_is_greedy_group_size_one_on_its_own_seeds(client, tokenizer, hf_model):

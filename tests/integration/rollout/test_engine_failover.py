@@ -21,24 +21,25 @@ from rollout.sampling import SamplingConfig
 SEEDS = [31, 32, 33, 34]
 
 
-def rollout(client, tokenizer):
-    cfg = AgentLoopConfig(max_steps=6, async_slots=False, prompt=PromptConfig(history_length=1),
+def rollout(client, tokenizer, mode="lockstep"):
+    cfg = AgentLoopConfig(max_steps=6, mode=mode, prompt=PromptConfig(history_length=1),
                           sampling=SamplingConfig(temperature=1.0, max_new_tokens=64, seed=3))
     with EnvManager("sokoban", None, num_groups=4, group_size=2, backend="inline") as envs:
         return run_rollout(envs, client, tokenizer, cfg, SEEDS)
 
 
-def test_killed_engine_mid_batch_loses_nothing(tiny_model_dir, tmp_path, caplog):
+@pytest.mark.parametrize("mode", ["lockstep", "async"])
+def test_killed_engine_mid_batch_loses_nothing(mode, tiny_model_dir, tmp_path, caplog):
     model_dir = tiny_model_dir("qwen3")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engines = launch_engines(model_dir, 2, log_dir=tmp_path)
     try:
         victim, survivor = engines
-        expected = rollout(EngineClient([survivor.url]), tokenizer)  # what the batch must come to
+        expected = rollout(EngineClient([survivor.url]), tokenizer, mode)  # what the batch must come to
 
         client = EngineClient([victim.url, survivor.url])
         done = {}
-        worker = threading.Thread(target=lambda: done.setdefault("result", rollout(client, tokenizer)))
+        worker = threading.Thread(target=lambda: done.setdefault("result", rollout(client, tokenizer, mode)))
         with caplog.at_level(logging.WARNING, logger="rollout.engine_client"):
             worker.start()
             while not client.load[victim.url] and worker.is_alive():  # until the victim holds requests

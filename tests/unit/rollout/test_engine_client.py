@@ -246,3 +246,37 @@ def test_configured_urls_need_no_local_engines(servers):
     assert client.generate([[1, 2]], {})[0].output_ids == [2, 0]
     with pytest.raises(ValueError, match="no engine URLs"):
         start_engines(EngineConfig())
+
+
+def test_submitted_requests_stick_fail_over_and_stay_within_the_bound(servers, caplog):
+    """submit(): one HTTP call per request, a Future each; trajectories keep their server;
+    a dead server's requests are re-sent to the others."""
+    a, b = servers("ok", "ok")
+    client = EngineClient([a.url, b.url], max_inflight_per_engine=2)
+    futures = [client.submit([1] * n, {"temperature": 1.0}, rid=f"r{n}", sticky_key=f"t{n % 4}")
+               for n in range(1, 9)]
+    outs = [f.result(timeout=30) for f in futures]
+    assert [o.output_ids[0] for o in outs] == list(range(1, 9))
+    assert all(len(c["input_ids"]) == 1 for s in (a, b) for c in s.generate_calls())
+    served = {n % 4: o.server for n, o in zip(range(1, 9), outs)}
+    assert all(o.server == served[n % 4] for n, o in zip(range(1, 9), outs)) and len(set(served.values())) == 2
+    assert all(len(lane._threads) <= 2 for lane in client.lanes.values())
+    assert client.load == {a.url: 0, b.url: 0}
+
+    a.mode = "drop"
+    with caplog.at_level(logging.WARNING, logger="rollout.engine_client"):
+        again = [client.submit([1] * n, {}, sticky_key=f"t{n % 4}") for n in range(1, 9)]
+        assert all(f.result(timeout=30).server == b.url for f in again)
+    assert client.alive == [b.url]
+    b.mode = "drop"
+    with pytest.raises(NoEngineLeft):
+        client.submit([1], {}).result(timeout=30)
+    client.close()
+
+
+def test_a_refused_submitted_request_raises_at_once(servers):
+    bad, = servers("bad")
+    client = EngineClient([bad.url])
+    with pytest.raises(EngineError, match="HTTP 400"):
+        client.submit([1, 2], {}).result(timeout=30)
+    assert client.alive == [bad.url]

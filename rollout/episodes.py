@@ -1,0 +1,152 @@
+"""One rollout's episodes, copy by copy: what both agent loops (lock-step in
+rollout/agent_loop.py, asynchronous in rollout/async_loop.py) do to one env copy at one
+step. A `Slot` is one EnvManager's episodes; each copy has its own step index, memory and
+trajectory, so the loops may advance copies together or one by one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout.memory import Memory, StepRecord
+from rollout.prompts import Prompt, PromptConfig, build_prompt
+from rollout.samples import StepSample
+from rollout.sampling import SamplingConfig
+
+
+@dataclass
+class Timeline:
+    """(start, end) intervals of generation and env work, to measure loop overhead."""
+
+    intervals: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, kind: str, start: float, end: float) -> None:
+        with self.lock:
+            self.intervals[kind].append((start, end))
+
+    def busy(self, kinds: Sequence[str]) -> float:
+        """Wall time covered by the union of the intervals of `kinds`."""
+        spans = sorted(iv for k in kinds for iv in self.intervals.get(k, []))
+        total, cur_start, cur_end = 0.0, None, None
+        for s, e in spans:
+            if cur_end is None or s > cur_end:
+                if cur_end is not None:
+                    total += cur_end - cur_start
+                cur_start, cur_end = s, e
+            else:
+                cur_end = max(cur_end, e)
+        if cur_end is not None:
+            total += cur_end - cur_start
+        return total
+
+    def total(self, kind: str) -> float:
+        return sum(e - s for s, e in self.intervals.get(kind, []))
+
+
+@dataclass
+class Request:
+    """One copy's generation request at one step."""
+
+    ids: list[int]
+    params: dict
+    rid: str
+    sticky_key: str  # the trajectory: its steps go to one engine (prefix cache)
+
+
+def sampling_seed(base: int, rollout_index: int, env_seed: int, copy: int, step: int) -> int:
+    state = np.random.SeedSequence([base & 0xFFFFFFFF, rollout_index, env_seed, copy, step]).generate_state(2)
+    return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 62) - 1)
+
+
+@dataclass
+class RolloutSettings:
+    """What every copy of a rollout shares."""
+
+    tokenizer: object
+    prompt: PromptConfig
+    sampling: SamplingConfig
+    rollout_index: int
+    max_steps: int
+    make_memory: Callable[[], Memory]
+    # HF fast tokenizers are not safe to share across threads.
+    tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Slot:
+    """One EnvManager's episodes; copy i of group i // G, trajectory id counted from
+    `group_offset`."""
+
+    def __init__(self, envs, seeds: Sequence[int], group_offset: int, settings: RolloutSettings):
+        self.envs = envs
+        self.seeds = [int(s) for s in seeds]
+        self.group_offset = group_offset
+        self.settings = settings
+        self.G = envs.group_size
+        self.trajectories: list[list[StepSample]] = [[] for _ in range(envs.num_envs)]
+        self.failed = np.zeros(envs.num_envs, dtype=bool)
+        self.active = np.zeros(envs.num_envs, dtype=bool)
+        self.steps = np.zeros(envs.num_envs, dtype=np.int64)
+
+    def reset(self) -> None:
+        self.observations = list(self.envs.reset(self.seeds))
+        self.failed = np.array([bool(i.get("failed")) for i in self.envs.infos])
+        self.active = ~self.envs.dones.copy()
+        self.memories = [self.settings.make_memory() for _ in range(self.envs.num_envs)]
+
+    def active_copies(self) -> list[int]:
+        return [int(i) for i in np.flatnonzero(self.active)]
+
+    def env_seed(self, i: int) -> int:
+        return self.seeds[i // self.G]
+
+    def traj_id(self, i: int) -> int:
+        return (self.group_offset + i // self.G) * self.G + i % self.G
+
+    def prompt(self, i: int) -> Prompt:
+        s = self.settings
+        with s.tokenizer_lock:
+            return build_prompt(s.tokenizer, self.envs.instructions, self.observations[i].text, self.memories[i],
+                                int(self.steps[i]), s.prompt)
+
+    def request(self, i: int, prompt: Prompt) -> Request:
+        s, step = self.settings, int(self.steps[i])
+        seed = None if s.sampling.seed is None else sampling_seed(
+            s.sampling.seed, s.rollout_index, self.env_seed(i), i % self.G, step)
+        key = f"r{s.rollout_index}-s{self.env_seed(i)}-t{self.traj_id(i)}"
+        return Request(prompt.ids, s.sampling.to_params(seed), f"{key}-step{step}", key)
+
+    def decode(self, output) -> str:
+        with self.settings.tokenizer_lock:
+            return self.settings.tokenizer.decode(output.output_ids, skip_special_tokens=True)
+
+    def record(self, i: int, prompt: Prompt, output, text: str, stepped: tuple) -> bool:
+        """Store copy i's step (its prompt, the engine's output, its decoded text and the
+        env's (observation, reward, done, info)) as a sample and in its memory; advance
+        the copy. True while the episode goes on."""
+        new_obs, reward, done, info = stepped
+        obs, step = self.observations[i], int(self.steps[i])
+        sample = StepSample(
+            prompt_ids=prompt.ids, response_ids=list(output.output_ids), rollout_logprobs=list(output.logprobs),
+            reward=float(reward), episode_return=0.0, group_id=self.group_offset + i // self.G,
+            traj_id=self.traj_id(i), step_index=step, anchor=obs.anchor,
+            is_action_valid=bool(info.get("is_action_valid", True)), done=bool(done),
+            won=bool(info.get("won", False)), env_seed=self.env_seed(i), env_name=self.envs.name,
+            task_type=str(info.get("task_type") or self.envs.name),
+            truncated_history=prompt.truncated_history, history_entries=prompt.history_entries,
+            finish_reason=output.finish_reason, response_text=text, weight_version=output.weight_version,
+            info={k: v for k, v in info.items() if k in ("failed", "error", "truncated", "action")},
+        )
+        self.trajectories[i].append(sample)
+        self.memories[i].store(StepRecord(step, obs.text, text, float(reward), sample.is_action_valid))
+        if info.get("failed"):
+            self.failed[i] = True
+        self.observations[i] = new_obs
+        self.steps[i] = step + 1
+        self.active[i] = not done and step + 1 < self.settings.max_steps
+        return bool(self.active[i])
