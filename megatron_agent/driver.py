@@ -7,21 +7,24 @@
 `train(config)` starts the trainer ranks where `config.placement` says (this process,
 local processes, or Ray actors: placement.py) and each rank runs `train_rank`. The ranks
 run the same loop: rank 0 (the leader) also drives the rollout engines and the
-environments, writes the metrics, and broadcasts each iteration's batch; the update, the
-weight sync and checkpoints are collective. The pieces: samples.py (episodes to
-batches), engine_fleet.py (engines, restarts, weight sync), run_dir.py (the files),
+environments, computes the advantages over the whole batch, writes the metrics, and sends
+each data-parallel rank its shard of the batch (training/batch.py); the update, the
+weight sync and checkpoints are collective. With `overlap_rollout`, the next iteration's
+rollout runs while this one trains (rollout_ahead.py). The pieces: samples.py (episodes
+to batches), engine_fleet.py (engines, restarts, weight sync), run_dir.py (the files),
 iteration_metrics.py (the metrics row).
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import time
-from functools import partial
 from pathlib import Path
 
 from megatron_agent.iteration_metrics import PhaseTimer, iteration_row
 from megatron_agent.placement import launch
+from megatron_agent.rollout_ahead import RolloutAhead
 from megatron_agent.run_config import RunConfig
 from megatron_agent.run_dir import (
     MetricsLog,
@@ -32,9 +35,10 @@ from megatron_agent.run_dir import (
     model_dir_of,
     prepare_run_dir,
     read_metrics,
+    rollout_ahead_file,
     write_sample_episodes,
 )
-from megatron_agent.samples import collect_samples, estimate_advantages, train_batch
+from megatron_agent.samples import collect_samples, estimate_advantages, policy_staleness, train_batch
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
     from megatron_agent.engine_fleet import EngineFleet
     from megatron_agent.platform import from_leader, init_distributed
     from megatron_agent.training.actor import Actor
+    from megatron_agent.training.batch import gather_rows, scatter_batch, scatter_rows
     from megatron_agent.training.checks import served_vs_trained
     from megatron_agent.training.critic import Critic
     from rollout.agent_loop import run_validation
@@ -68,6 +73,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
     critic = (Critic(model_dir, ctx.parallel, config.critic, config.algorithm)
               if config.algorithm.advantage_estimator == "gae" else None)
     history, first_iteration = resume(config, actor, critic)
+    dp = ctx.data_parallel_size
 
     fleet = envs = val_envs = metrics_log = None
     try:
@@ -77,28 +83,39 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
             envs = env_manager(config, config.num_groups, config.group_size)
             if config.val_every:
                 val_envs = env_manager(config, config.loop.validation.num_episodes, 1)
+        rollouts = RolloutAhead(fleet, lambda client, i: collect_samples(config, envs, client, tokenizer, i),
+                                leader=leader, overlap=config.overlap_rollout)
         if first_iteration:
             fleet.sync_weights(first_iteration)  # the engines start from the model on disk
+            if config.overlap_rollout:
+                rollouts.restore(first_iteration, load_rollout_ahead(config, first_iteration) if leader else None)
         successes = [row["train/success_rate"] for row in history]
         start = time.perf_counter()
         for iteration in range(first_iteration, config.iterations):
             timer = PhaseTimer()
             with timer.phase("rollout"):
-                collected = fleet.run(partial(collect_samples, config, envs, tokenizer=tokenizer,
-                                              iteration=iteration), iteration)
+                collected = rollouts.take(iteration)
+                fleet.release_memory()  # colocated: the engines' memory goes to the actor until the sync
                 if leader:
                     samples, rollout_metrics, episodes = collected
-                batch = from_leader(train_batch(samples, tokenizer.pad_token_id, config.loop.sampling.temperature)
-                                    if leader else None)
+                    staleness = policy_staleness(samples, actor.step)
+                batch = scatter_batch(train_batch(samples, tokenizer.pad_token_id, config.loop.sampling.temperature)
+                                      if leader else None, dp)  # this rank's data-parallel shard
+            rollouts.start(iteration + 1)  # overlap_rollout: on the engines' current weights, while this trains
 
-            with timer.phase("advantages"):
-                values = critic.compute_values(batch) if critic is not None else None
-                advantages = from_leader(estimate_advantages(samples, config.algorithm, values) if leader else None)
-                batch.advantages = torch.as_tensor(advantages.advantages, dtype=torch.float32)
+            with timer.phase("advantages"):  # over the whole batch, on the leader
+                values = critic.compute_values(batch) if critic is not None else None  # the shard's
+                whole_values = gather_rows(values, batch) if critic is not None else None
+                advantages = estimate_advantages(samples, config.algorithm, whole_values) if leader else None
+                targets = scatter_rows({"advantages": torch.as_tensor(advantages.advantages, dtype=torch.float32),
+                                        "returns": torch.as_tensor(advantages.returns, dtype=torch.float32)}
+                                       if leader else None, dp)
+                batch.advantages = targets["advantages"]
 
             with timer.phase("logprobs"):
+                # served vs trained compares the same weights: not for a rollout done ahead
                 checked = (served_vs_trained(actor, batch, config.check, config.actor.params_dtype, iteration)
-                           if config.check.due(iteration, first_iteration) else {})
+                           if config.check.due(iteration, first_iteration) and not rollouts.taken_ahead else {})
                 if actor.reference is not None:  # built for an active KL loss only
                     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True,
                                                                 with_entropy=False)["logprobs"]
@@ -109,8 +126,10 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                 metrics = {**checked, **actor.update(batch)}
             if critic is not None:
                 with timer.phase("critic_update"):
-                    metrics.update(critic.update(batch, returns=advantages.returns, old_values=values))
+                    metrics.update(critic.update(batch, returns=targets["returns"], old_values=values))
 
+            with timer.phase("rollout_wait"):  # for the rollout ahead (overlap_rollout)
+                rollouts.finish()
             with timer.phase("weight_sync"):
                 metrics.update(fleet.sync_weights(iteration + 1))
 
@@ -123,14 +142,16 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
 
             if config.save_every and (iteration + 1) % config.save_every == 0:
                 with timer.phase("checkpoint"):
-                    save_checkpoint(run_dir, iteration + 1, actor, critic)
+                    save_checkpoint(run_dir, iteration + 1, actor, critic, rollouts.pending(iteration + 1))
 
             stop = False
             if leader:
                 if config.samples_every and iteration % config.samples_every == 0:
                     write_sample_episodes(run_dir, iteration, episodes[:4])
                 successes.append(rollout_metrics["rollout/success_rate"])
-                row = iteration_row(iteration, timer, rollout_metrics, metrics, tokens=float(batch.lengths.sum()),
+                metrics["train/policy_staleness"] = staleness
+                row = iteration_row(iteration, timer, rollout_metrics, metrics,
+                                    tokens=float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)),
                                     elapsed=time.perf_counter() - start, successes=successes,
                                     restarts=fleet.restarts)
                 history.append(row)
@@ -168,8 +189,29 @@ def resume(config: RunConfig, actor, critic) -> tuple[list[dict], int]:
     return history, actor.step
 
 
-def save_checkpoint(run_dir: Path, iteration: int, actor, critic) -> None:
+def save_checkpoint(run_dir: Path, iteration: int, actor, critic, rollout_ahead=None) -> None:
+    """The critic and the rollout collected ahead (the leader's `rollout_ahead`, with
+    overlap_rollout) first: a complete actor checkpoint implies complete others."""
     name = checkpoint_name(iteration)
-    if critic is not None:  # first: a complete actor checkpoint implies a complete critic one
+    if rollout_ahead is not None:
+        path = rollout_ahead_file(run_dir, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(rollout_ahead))
+    if critic is not None:
         critic.save(critic_checkpoint_dir(run_dir, name))
     actor.save(actor_checkpoint_dir(run_dir, name))
+    if rollout_ahead is not None:  # keep those of the checkpoints kept
+        kept = {p.name for p in actor_checkpoint_dir(run_dir, name).parent.iterdir()}
+        for stale in rollout_ahead_file(run_dir, name).parent.glob("*.pkl"):
+            if stale.stem not in kept:
+                stale.unlink()
+
+
+def load_rollout_ahead(config: RunConfig, iteration: int):
+    """The rollout of `iteration` collected ahead before the checkpoint (None: the
+    checkpoint was saved without overlap_rollout; the rollout then runs on resumed weights)."""
+    path = rollout_ahead_file(Path(config.resume), checkpoint_name(iteration))
+    if not path.is_file():
+        log.warning("%s not found: iteration %d is rolled out on the resumed weights", path, iteration)
+        return None
+    return pickle.loads(path.read_bytes())

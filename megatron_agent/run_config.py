@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_agent.algorithms import AlgorithmConfig
-from megatron_agent.placement import PlacementConfig
+from megatron_agent.placement import PlacementConfig, validate_colocation
 from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.actor import ActorConfig
 from megatron_agent.training.checks import LogprobCheckConfig
 from megatron_agent.weight_sync import WeightSyncConfig
-from rollout.agent_loop import AgentLoopConfig
+from rollout.agent_loop import LOOP_MODES, AgentLoopConfig
 from rollout.engine_launch import EngineConfig
 
 ENV_BACKENDS = ("inline", "process", "ray")
@@ -65,6 +65,9 @@ class RunConfig:
     samples_every: int = 0  # iterations between writing a few episodes as text (0: none)
     # A run directory to continue from its last complete checkpoint (the same settings).
     resume: str | None = None
+    # Roll out iteration k+1 (on the weights of iteration k) while iteration k trains; the
+    # samples are then one update old, corrected by algorithm.tis_cap (required).
+    overlap_rollout: bool = False
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: ActorConfig = field(default_factory=ActorConfig)  # the value model of algorithm=ppo (GAE)
@@ -145,7 +148,7 @@ def validate_run_config(run: RunConfig) -> None:
         from envs.registry import make_env
 
         make_env(run.env, dict(run.env_config))
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as err:  # a missing extra or data folder too
         raise ConfigError(f"env_config ({run.env}): {err}") from None
     for key in ("num_groups", "group_size", "iterations"):
         if getattr(run, key) < 1:
@@ -160,6 +163,14 @@ def validate_run_config(run: RunConfig) -> None:
         raise ConfigError(f"env_backend={run.env_backend!r}; choose one of {ENV_BACKENDS}")
     if run.env_workers is not None and run.env_workers < 1:
         raise ConfigError(f"env_workers={run.env_workers} must be >= 1 (or null: one per CPU)")
+    if run.loop.mode not in LOOP_MODES:
+        raise ConfigError(f"loop.mode={run.loop.mode!r}; choose one of {LOOP_MODES}")
+    if run.overlap_rollout and run.algorithm.tis_cap is None:
+        raise ConfigError("overlap_rollout=true trains on samples generated one update earlier: set "
+                          "algorithm.tis_cap (e.g. 2.0) to correct them by the engines' logprobs")
+    if run.overlap_rollout and run.placement.colocate:
+        raise ConfigError("overlap_rollout=true with placement.colocate=true: colocated engines give their "
+                          "memory to the actor while it trains, so no rollout can run then")
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)
@@ -175,6 +186,10 @@ def validate_placement(run: RunConfig) -> None:
         run.placement.validate()
     except ValueError as err:
         raise ConfigError(f"placement.{err}") from None
+    try:
+        validate_colocation(run)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         run.parallel.validate(run.placement.trainer_ranks)
     except ParallelLayoutError as err:

@@ -7,6 +7,7 @@
       tensorboard/           the same rows as TensorBoard scalars
       samples/iter_N.txt     a few episodes as text, every samples_every iterations
       checkpoints/iter_N/    the actor (a dist checkpoint); critic_checkpoints/ alike
+      rollout_ahead/iter_N.pkl  with overlap_rollout: iteration N's rollout, collected ahead
       engines/               the engine processes' logs
 """
 
@@ -49,6 +50,10 @@ def actor_checkpoint_dir(run_dir: Path, name: str) -> Path:
 
 def critic_checkpoint_dir(run_dir: Path, name: str) -> Path:
     return run_dir / "critic_checkpoints" / name
+
+
+def rollout_ahead_file(run_dir: Path, name: str) -> Path:
+    return run_dir / "rollout_ahead" / f"{name}.pkl"
 
 
 def latest_checkpoint(run_dir: Path) -> Path:

@@ -3,6 +3,7 @@
     samples, metrics, episodes = collect_samples(config, envs, client, tokenizer, iteration)
     columns = step_columns(samples)        # the estimators' StepSamples (numpy columns)
     batch = train_batch(samples, pad_id, temperature)   # the actor's TrainBatch (tokens)
+    policy_staleness(samples, actor.step)  # updates between the generating weights and the trainer's
 
 `collect_samples` runs the agent loop once, or (DAPO dynamic sampling) until enough
 groups with a learning signal are found.
@@ -58,6 +59,13 @@ def collect_samples(config, envs, client, tokenizer, iteration: int):
             raise RuntimeError(f"dynamic sampling: every group of {tries} rollouts had equal episode scores; "
                                "nothing to train on (raise algorithm.dynamic_sampling_max_tries)")
     return kept, metrics, episodes
+
+
+def policy_staleness(samples: Sequence, trainer_version: int) -> float:
+    """How many updates the weights that generated the samples are behind the trainer's
+    (the mean over samples; the engines' initial "default" weights are version 0)."""
+    versions = [int(s.weight_version) if str(s.weight_version).isdigit() else 0 for s in samples]
+    return float(trainer_version - np.mean(versions)) if versions else 0.0
 
 
 def step_columns(samples: Sequence) -> StepSamples:

@@ -7,7 +7,9 @@ from megatron_agent.platform.distributed import (
     control_group,
     free_port,
     from_leader,
+    gather_from_data_parallel,
     init_distributed,
+    scatter_to_data_parallel,
     set_seed,
     shutdown_distributed,
 )
@@ -29,8 +31,10 @@ __all__ = [
     "enable_cpu_support",
     "free_port",
     "from_leader",
+    "gather_from_data_parallel",
     "init_distributed",
     "initialize_model_parallel",
+    "scatter_to_data_parallel",
     "set_seed",
     "shutdown_distributed",
 ]

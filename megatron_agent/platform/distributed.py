@@ -9,6 +9,7 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without them the process is a world of on
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -28,6 +29,7 @@ from megatron_agent.platform.parallel import ParallelConfig, destroy_model_paral
 log = logging.getLogger(__name__)
 
 _control_group = None
+_peer_groups: dict[tuple[int, ...], object] = {}  # gloo groups of the ranks sharing a DP index, by layout
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,98 @@ def from_leader(obj):
     return box[0]
 
 
+@dataclass(frozen=True)
+class DataParallelPeers:
+    """Where a rank stands among the data-parallel ranks (TP, PP and CP peers share a DP
+    index and so the data): its DP index, each index's first rank, and its peers' group."""
+
+    dp_index: int
+    heads: tuple[int, ...]  # the lowest world rank of each DP index
+    group: object  # a gloo group of this rank's peers (None when it has none)
+
+
+def data_parallel_peers() -> DataParallelPeers:
+    """Collective: every rank calls it (the groups are made once per layout)."""
+    from megatron.core import parallel_state
+
+    mine = torch.tensor([parallel_state.get_data_parallel_rank()])
+    indices = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(indices, mine, group=control_group())
+    layout = tuple(int(i) for i in indices)
+    members = [[r for r, d in enumerate(layout) if d == index] for index in range(max(layout) + 1)]
+    if layout not in _peer_groups:
+        groups = [dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None for ranks in members]
+        _peer_groups[layout] = groups
+    dp_index = layout[dist.get_rank()]
+    return DataParallelPeers(dp_index, tuple(ranks[0] for ranks in members), _peer_groups[layout][dp_index])
+
+
+def _specs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def _sendable(specs: dict[str, tuple]) -> list[str]:
+    return [name for name in sorted(specs) if math.prod(specs[name][0]) > 0]
+
+
+def scatter_to_data_parallel(parts: list[dict[str, torch.Tensor]] | None) -> dict[str, torch.Tensor]:
+    """The leader's `parts[d]` (named CPU tensors, one dict per DP index d; None on the
+    other ranks) on every rank of DP index d. Only shapes and dtypes are pickled; the
+    leader sends each part's tensors to the first rank of its DP index, which broadcasts
+    them to its TP/PP/CP peers."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return parts[0]
+    peers = data_parallel_peers()
+    rank, group = dist.get_rank(), control_group()
+    specs = from_leader(None if parts is None else [_specs(part) for part in parts])
+    if len(specs) != len(peers.heads):
+        raise ValueError(f"{len(specs)} parts for {len(peers.heads)} data-parallel ranks")
+    mine = specs[peers.dp_index]
+    if rank == 0:
+        sends = [dist.isend(parts[d][name].contiguous(), dst=head, group=group)
+                 for d, head in enumerate(peers.heads) if head != 0 for name in _sendable(specs[d])]
+        for request in sends:
+            request.wait()
+        received = {name: parts[peers.dp_index][name].contiguous() for name in mine}
+    else:
+        received = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in mine.items()}
+        if rank == peers.heads[peers.dp_index]:
+            for name in _sendable(mine):
+                dist.recv(received[name], src=0, group=group)
+    if peers.group is not None:
+        head = peers.heads[peers.dp_index]
+        for name in _sendable(mine):
+            dist.broadcast(received[name], src=head, group=peers.group)
+    return received
+
+
+def gather_from_data_parallel(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+    """Each DP index's named CPU tensors (as its first rank holds them) on the leader, in DP
+    order; None on the other ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [tensors]
+    peers = data_parallel_peers()
+    rank, group = dist.get_rank(), control_group()
+    is_head = rank == peers.heads[peers.dp_index]
+    specs = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(_specs(tensors) if is_head else None, specs, dst=0, group=group)
+    if rank != 0:
+        if is_head:
+            for name in _sendable(_specs(tensors)):
+                dist.send(tensors[name].contiguous(), dst=0, group=group)
+        return None
+    parts = []
+    for head in peers.heads:
+        if head == 0:
+            parts.append(dict(tensors))
+            continue
+        part = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs[head].items()}
+        for name in _sendable(specs[head]):
+            dist.recv(part[name], src=head, group=group)
+        parts.append(part)
+    return parts
+
+
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy and torch; Megatron's tracker gets per-TP/EP streams.
 
@@ -144,5 +238,6 @@ def shutdown_distributed() -> None:
     global _control_group
     destroy_model_parallel()
     _control_group = None
+    _peer_groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

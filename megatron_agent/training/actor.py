@@ -6,8 +6,10 @@
     actor.save(dir); actor.load(dir)               # dist checkpoint: model, optimizer, scheduler, RNG, step
     for name, tensor in actor.named_hf_weights():  # HF names, full tensors (weight sync, export)
 
-Every rank gets the whole batch and works on its data-parallel slice; results and
-metrics come back identical on every rank. Micro-batches are cut by a token budget
+A rank works on its data-parallel shard (training/batch.py: sample i belongs to DP rank
+i % dp): the driver sends each rank only its shard; given the whole batch, a rank cuts
+its shard itself. Per-token results come back for the rows given (a whole batch: all of
+them, on every rank); metrics come back identical on every rank. Micro-batches are cut by a token budget
 (dynamic batch size) and run through Megatron's pipeline schedule.
 """
 
@@ -148,8 +150,8 @@ class Actor:
 
     # --- forward passes -------------------------------------------------------------------
 
-    def _local_indices(self, n: int) -> list[int]:
-        return list(range(self.dp_rank, n, self.dp_size))
+    def _shard(self, batch: TrainBatch) -> TrainBatch:
+        return batch if batch.is_shard else batch.dp_shard(self.dp_rank, self.dp_size)
 
     def _micro_batches(self, batch: TrainBatch, indices: list[int], **per_token) -> list[dict]:
         groups = micro_batches_by_tokens(batch.lengths[indices], self.config.max_tokens_per_micro_batch,
@@ -172,27 +174,34 @@ class Actor:
             out.append(mb)
         return out
 
-    def _gather_per_token(self, local: dict[int, torch.Tensor], n: int, width: int) -> torch.Tensor:
-        """Per-sample rows computed on last-stage ranks -> the full [n, width] on every rank."""
+    def _gather_per_token(self, local: dict[int, torch.Tensor], shard: TrainBatch, batch: TrainBatch,
+                          per_token: bool = True) -> torch.Tensor:
+        """The shard's rows computed on last-stage ranks -> those rows on every stage; for a
+        whole `batch`, the whole [N, width] on every rank."""
         from megatron.core import parallel_state as ps
 
-        full = torch.zeros(n, width)
+        rows = torch.zeros(shard.size, shard.tokens.shape[1] - 1 if per_token else 1)
         for i, row in local.items():
-            full[i, : row.shape[0]] = row
-        if self.dp_size > 1:
-            dist.all_reduce(full, group=ps.get_data_parallel_group())  # each row is set on one DP rank
-        if self.pp_size > 1:
+            rows[i, : row.shape[0]] = row
+        if self.pp_size > 1 and rows.numel():
             last = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast(full, src=last, group=ps.get_pipeline_model_parallel_group())
-        return full
+            dist.broadcast(rows, src=last, group=ps.get_pipeline_model_parallel_group())
+        if batch.is_shard:
+            return rows
+        whole = torch.zeros(batch.size, batch.tokens.shape[1] - 1 if per_token else 1)
+        whole[shard.positions(), : rows.shape[1]] = rows
+        if self.dp_size > 1:
+            dist.all_reduce(whole, group=ps.get_data_parallel_group())  # each row is set on one DP rank
+        return whole
 
     def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False,
                          with_entropy: bool = True) -> dict[str, torch.Tensor]:
-        """Per-token logprobs (and entropy) of the batch's targets; [N, L-1] on every rank."""
+        """Per-token logprobs (and entropy) of the batch's targets: [N, L-1] on every rank for a
+        whole batch, the shard's rows for a shard."""
         chunks = self.reference if reference else self.model
         if chunks is None:
             raise RuntimeError("no reference model: the algorithm uses no KL loss")
-        indices = self._local_indices(batch.size)
+        shard = self._shard(batch)
         logprobs, entropy = {}, {}
 
         def keep(mb, logits):
@@ -207,12 +216,11 @@ class Actor:
         for chunk in chunks:
             chunk.eval()
         with torch.no_grad():
-            if indices:
-                run_schedule(chunks, self._micro_batches(batch, indices), keep, forward_only=True)
-        width = batch.tokens.shape[1] - 1
-        out = {"logprobs": self._gather_per_token(logprobs, batch.size, width)}
+            if shard.size:
+                run_schedule(chunks, self._micro_batches(shard, list(range(shard.size))), keep, forward_only=True)
+        out = {"logprobs": self._gather_per_token(logprobs, shard, batch)}
         if with_entropy:
-            out["entropy"] = self._gather_per_token(entropy, batch.size, width)
+            out["entropy"] = self._gather_per_token(entropy, shard, batch)
         return out
 
     # --- the update -----------------------------------------------------------------------
@@ -223,15 +231,28 @@ class Actor:
             return float(response_mask.sum())
         return float((response_mask.sum(-1) > 0).sum())
 
+    def _global_count(self, response_mask: torch.Tensor) -> float:
+        """`_count` over every DP rank's part of a mini-batch."""
+        from megatron.core import parallel_state as ps
+
+        count = torch.tensor([self._count(response_mask)], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(count, group=ps.get_data_parallel_group())
+        return float(count)
+
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """PPO-style epochs over mini-batches; one optimizer step per mini-batch."""
-        self._prepare_update(batch)
+        """PPO-style epochs over mini-batches; one optimizer step per mini-batch. The
+        mini-batches are drawn from the whole batch (the same on every rank); each rank
+        trains on the samples of its shard in them."""
+        shard = self._shard(batch)
+        self._prepare_update(shard)
         rng = np.random.default_rng(self.config.seed + self.step)
+        whole = shard.whole_batch_size()
         steps = []
         for _ in range(self.config.ppo_epochs):
-            order = rng.permutation(batch.size) if self.config.shuffle else np.arange(batch.size)
+            order = rng.permutation(whole) if self.config.shuffle else np.arange(whole)
             for mini in np.array_split(order, self.config.num_mini_batches):
-                steps.append(self._train_step(batch, sorted(int(i) for i in mini)))
+                steps.append(self._train_step(shard, {int(i) for i in mini}))
         self.step += 1
         metrics = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
         metrics[f"{type(self).__name__.lower()}/steps"] = float(len(steps))
@@ -258,10 +279,11 @@ class Actor:
         )
         return loss, {f"actor/{k}": float(v) for k, v in metrics.items()}
 
-    def _train_step(self, batch: TrainBatch, mini: list[int]) -> dict[str, float]:
-        indices = [i for k, i in enumerate(mini) if k % self.dp_size == self.dp_rank]
-        # The whole mini-batch over every DP rank (each rank holds the full batch).
-        denominator = self._count(batch.response_mask[mini])
+    def _train_step(self, batch: TrainBatch, mini: set[int]) -> dict[str, float]:
+        """One optimizer step on the mini-batch `mini` (positions in the whole batch);
+        `batch` is this rank's shard."""
+        indices = [k for k, i in enumerate(batch.positions().tolist()) if i in mini]
+        denominator = self._global_count(batch.response_mask[indices])
         micro = self._micro_batches(
             batch, indices, advantages=batch.advantages, old_logprobs=batch.old_logprobs,
             ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
@@ -289,7 +311,8 @@ class Actor:
         if indices:
             run_schedule(self.model, micro, loss_fn)
         else:  # this DP rank has no sample in this mini-batch: still join the reductions
-            run_schedule(self.model, self._micro_batches(batch, mini[:1]), lambda mb, out: (out.sum() * 0.0, {}))
+            idle = batch if batch.size else TrainBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1))
+            run_schedule(self.model, self._micro_batches(idle, [0]), lambda mb, out: (out.sum() * 0.0, {}))
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         prefix = type(self).__name__.lower()

@@ -4,6 +4,11 @@ Sequences are prompt + response token ids, right-padded to one length L. Per-tok
 quantities live on the L-1 *target* positions: position t holds what concerns token
 t+1 (its logprob under the policy, its advantage), and `response_mask[:, t]` is 1 when
 token t+1 is a response token the loss should see.
+
+Data parallelism: sample i of the whole batch belongs to DP rank i % dp (`shard_rows`).
+The leader cuts the batch once (`dp_shards`) and each rank receives only its shard
+(`scatter_batch`); a shard knows where its rows sit in the whole batch (`sample_index`)
+and the whole batch's size, so the actor can form the same mini-batches on every rank.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor | None = None  # [N, L-1], what the rollout engine reported
     lengths: torch.Tensor | None = None  # [N] real length of each sequence (tokens after it are padding)
     temperature: float = 1.0  # logits are divided by it, as the rollout engine did
+    # A data-parallel shard: its rows' positions in the whole batch, and that batch's size
+    # (None: this is the whole batch).
+    sample_index: torch.Tensor | None = None  # [N] int64
+    whole_size: int | None = None
 
     def __post_init__(self):
         if self.lengths is None:
@@ -35,6 +44,59 @@ class TrainBatch:
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def is_shard(self) -> bool:
+        return self.sample_index is not None
+
+    def positions(self) -> torch.Tensor:
+        """Where the rows sit in the whole batch."""
+        return self.sample_index if self.is_shard else torch.arange(self.size)
+
+    def whole_batch_size(self) -> int:
+        return self.whole_size if self.is_shard else self.size
+
+    def dp_shard(self, dp_rank: int, dp_size: int) -> TrainBatch:
+        """The rows of DP rank `dp_rank`, cut to their own longest sequence."""
+        if self.is_shard:
+            raise ValueError("dp_shard cuts a whole batch, not a shard")
+        rows = shard_rows(self.size, dp_rank, dp_size)
+        shard = self.select(rows)
+        width = int(shard.lengths.max()) if shard.size else 2
+        return shard.trimmed(width).with_place(torch.tensor(rows, dtype=torch.long), self.size)
+
+    def dp_shards(self, dp_size: int) -> list[TrainBatch]:
+        return [self.dp_shard(r, dp_size) for r in range(dp_size)]
+
+    def trimmed(self, width: int) -> TrainBatch:
+        """Tokens cut to `width` columns, per-token tensors to width - 1."""
+        cut = {"tokens": self.tokens[:, :width]}
+        for name in PER_TOKEN:
+            value = getattr(self, name)
+            if value is not None and value.dim() == 2:
+                cut[name] = value[:, : width - 1]
+        return replace(self, **cut)
+
+    def with_place(self, sample_index: torch.Tensor, whole_size: int) -> TrainBatch:
+        return replace(self, sample_index=sample_index, whole_size=whole_size)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The batch as named tensors (scalars as 0-dim ones), for sending."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            out[f.name] = value.contiguous() if isinstance(value, torch.Tensor) else torch.tensor(value)
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> TrainBatch:
+        values = dict(tensors)
+        for name in SCALARS:
+            if name in values:
+                values[name] = values[name].item()
+        return cls(**values)
 
     def select(self, index: torch.Tensor | list[int]) -> TrainBatch:
         index = torch.as_tensor(index, dtype=torch.long)
@@ -74,6 +136,50 @@ class TrainBatch:
         adv = None if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
         return cls(tokens, mask, advantages=adv, rollout_logprobs=rollout,
                    lengths=torch.tensor(lengths), temperature=temperature)
+
+
+PER_TOKEN = ("response_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+SCALARS = ("temperature", "whole_size")
+
+
+def shard_rows(n: int, dp_rank: int, dp_size: int) -> list[int]:
+    """The whole batch's rows that DP rank `dp_rank` trains on: every dp_size-th one."""
+    return list(range(dp_rank, n, dp_size))
+
+
+def scatter_batch(whole: TrainBatch | None, dp_size: int) -> TrainBatch:
+    """The leader's whole batch (None on the other ranks) -> this rank's DP shard; TP, PP
+    and CP peers of a DP rank receive the same shard."""
+    from megatron_agent.platform.distributed import scatter_to_data_parallel
+
+    parts = [shard.tensors() for shard in whole.dp_shards(dp_size)] if whole is not None else None
+    return TrainBatch.from_tensors(scatter_to_data_parallel(parts))
+
+
+def scatter_rows(whole: dict[str, torch.Tensor] | None, dp_size: int) -> dict[str, torch.Tensor]:
+    """The leader's per-sample tensors of the whole batch (None elsewhere) -> this rank's
+    shard rows of each, in the shard's order."""
+    from megatron_agent.platform.distributed import scatter_to_data_parallel
+
+    parts = None
+    if whole is not None:
+        n = len(next(iter(whole.values())))
+        parts = [{k: v[shard_rows(n, r, dp_size)] for k, v in whole.items()} for r in range(dp_size)]
+    return scatter_to_data_parallel(parts)
+
+
+def gather_rows(rows: torch.Tensor, batch: TrainBatch) -> torch.Tensor | None:
+    """Each DP rank's per-sample `rows` [n, ...] of its shard -> the whole batch's
+    [N, ...] on the leader (None on the other ranks)."""
+    from megatron_agent.platform.distributed import gather_from_data_parallel
+
+    parts = gather_from_data_parallel({"rows": rows, "index": batch.positions()})
+    if parts is None:
+        return None
+    whole = rows.new_zeros((batch.whole_batch_size(), *rows.shape[1:]))
+    for part in parts:
+        whole[part["index"]] = part["rows"]
+    return whole
 
 
 def sequence_multiple(*, tp: int = 1, sequence_parallel: bool = False, fp8: bool = False, cp: int = 1) -> int:

@@ -58,14 +58,21 @@ class LogprobMismatchError(RuntimeError):
 
 
 def rollout_logprob_gap(actor_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                        response_mask: torch.Tensor) -> dict[str, float]:
-    """Max and mean |actor - rollout| logprob over response tokens."""
-    mask = response_mask.bool()
-    if not mask.any():
-        return {"check/rollout_logprob_max_abs_diff": 0.0, "check/rollout_logprob_mean_abs_diff": 0.0}
-    diff = (actor_logprobs.double() - rollout_logprobs.double())[mask].abs()
-    return {"check/rollout_logprob_max_abs_diff": float(diff.max()),
-            "check/rollout_logprob_mean_abs_diff": float(diff.mean())}
+                        response_mask: torch.Tensor, *, over_data_parallel: bool = False) -> dict[str, float]:
+    """Max and mean |actor - rollout| logprob over response tokens (with
+    `over_data_parallel`: over every DP rank's tokens; collective)."""
+    diff = (actor_logprobs.double() - rollout_logprobs.double())[response_mask.bool()].abs()
+    sums = torch.tensor([float(diff.sum()), float(diff.numel())], dtype=torch.float64)
+    worst = torch.tensor([float(diff.max()) if diff.numel() else 0.0], dtype=torch.float64)
+    if over_data_parallel:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    return {"check/rollout_logprob_max_abs_diff": float(worst),
+            "check/rollout_logprob_mean_abs_diff": float(sums[0] / sums[1]) if sums[1] else 0.0}
 
 
 def check_rollout_logprobs(gap: dict[str, float], max_abs_diff: float | None = None, *,
@@ -90,9 +97,11 @@ def served_vs_trained(actor, batch, config: LogprobCheckConfig, params_dtype: st
     """Recompute the logprobs of some of the batch's samples with the actor (collective:
     every rank calls it) and compare them with what the engines reported; raise
     LogprobMismatchError past the bound (config.fail), return the gap as metrics."""
-    sample = batch.select(check_sample_indices(batch.size, config.max_samples))
+    picked = set(check_sample_indices(batch.whole_batch_size(), config.max_samples))
+    sample = batch.select([k for k, i in enumerate(batch.positions().tolist()) if i in picked])
     recomputed = actor.compute_logprobs(sample, with_entropy=False)["logprobs"]
-    gap = rollout_logprob_gap(recomputed, sample.rollout_logprobs, sample.response_mask)
+    gap = rollout_logprob_gap(recomputed, sample.rollout_logprobs, sample.response_mask,
+                              over_data_parallel=sample.is_shard)
     if config.fail:
         check_rollout_logprobs(gap, max_mean_abs_diff=config.bound(params_dtype),
                                when=f" (iteration {iteration}, served weights version {iteration})")

@@ -70,8 +70,8 @@ class Critic(Actor):
         return mb["response_mask"].float().argmax(dim=-1)
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """V(state) per sample, [N], on every rank."""
-        indices = self._local_indices(batch.size)
+        """V(state) per sample: [N] on every rank for a whole batch, the shard's rows for a shard."""
+        shard = self._shard(batch)
         values = {}
 
         def keep(mb, out):
@@ -84,19 +84,25 @@ class Critic(Actor):
         for chunk in self.model:
             chunk.eval()
         with torch.no_grad():
-            if indices:
-                run_schedule(self.model, self._micro_batches(batch, indices), keep, forward_only=True)
-        return self._gather_per_token(values, batch.size, 1)[:, 0]
+            if shard.size:
+                run_schedule(self.model, self._micro_batches(shard, list(range(shard.size))), keep, forward_only=True)
+        return self._gather_per_token(values, shard, batch, per_token=False)[:, 0]
 
     def update(self, batch: TrainBatch, returns: torch.Tensor | None = None,
                old_values: torch.Tensor | None = None) -> dict[str, float]:
-        """Epochs over mini-batches of the clipped value loss toward `returns` [N]."""
+        """Epochs over mini-batches of the clipped value loss toward `returns` (one per row
+        of `batch`, like `old_values`)."""
         if returns is None:
             raise ValueError("the critic's update needs returns (GAE value targets)")
-        self._returns = torch.as_tensor(returns, dtype=torch.float32)
-        self._old_values = (self.compute_values(batch) if old_values is None
-                            else torch.as_tensor(old_values, dtype=torch.float32))
-        return super().update(batch)
+        shard = self._shard(batch)
+
+        def rows(values):
+            values = torch.as_tensor(values, dtype=torch.float32)
+            return values if batch.is_shard else values[shard.positions()]
+
+        self._returns = rows(returns)
+        self._old_values = self.compute_values(shard) if old_values is None else rows(old_values)
+        return super().update(shard)
 
     def _prepare_update(self, batch: TrainBatch) -> None:
         pass  # no advantages, reference model or old logprobs: returns and old values are set

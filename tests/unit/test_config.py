@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -37,7 +38,13 @@ def test_named_algorithm_settings():
 
 
 @pytest.mark.parametrize("env", ENVS)
-def test_every_env_config_loads_and_builds(env):
+def test_every_env_config_loads_and_builds(env, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_AGENT_APPWORLD_PYTHON", sys.executable)  # AppWorld's venv and data,
+    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))                     # checked before a run starts
+    if env == "appworld":
+        with pytest.raises(ConfigError, match=f"AppWorld data not found: '{tmp_path}' has no data/tasks"):
+            load_run_config([f"env={env}"])
+        (tmp_path / "data" / "tasks").mkdir(parents=True)
     run = load_run_config([f"env={env}"])
     assert run.env == env
     if env != "numberline":
@@ -56,8 +63,11 @@ def test_every_env_config_loads_and_builds(env):
         (["parallel.tp=2"], "does not divide the world size 1 (with placement.trainer_ranks=1)"),
         (["model=tiny-moe", "parallel.ep=3", "placement.trainer_ranks=3"], "num_experts=4 is not divisible by ep=3"),
         (["placement.launcher=slurm"], "placement.launcher='slurm'"),
-        (["placement.colocate=true"], "needs launcher=ray"),
-        (["placement.launcher=ray", "placement.colocate=true", "placement.gpus_per_trainer=1"], "CUDA IPC"),
+        (["weight_sync.transport=ipc"], "weight_sync.transport='ipc'"),
+        (["placement.launcher=ray", "weight_sync.transport=tensor"], "set placement.colocate=true"),
+        (["placement.colocate=true", "engine.urls=[http://10.255.0.9:30000]"], "needs the engines on this machine"),
+        (["placement.launcher=ray", "placement.colocate=true", "engine.urls=[http://127.0.0.1:30000]"],
+         "needs placement.launcher=local"),
         (["model=qwen3-8b", "placement.trainer_ranks=2"], "model_dir='/path/to/Qwen3-8B' has no config.json"),
         (["model_dir=/nowhere"], "model_dir='/nowhere' has no config.json"),
         (["tiny_model.family=gpt2"], "tiny_model.family='gpt2'"),

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import re
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -127,6 +128,15 @@ SELECTIONS = (
     + [{**DEFAULTS, "env": e} for e in OPTIONS["env"]]
     + [{**DEFAULTS, "model": m, "backend": b} for m in OPTIONS["model"] for b in OPTIONS["backend"]]
 )
+
+
+@pytest.fixture(autouse=True)
+def appworld_in_place(tmp_path, monkeypatch):
+    """The AppWorld preset resolves where AppWorld's python and a data folder exist (the
+    config check asks for both); what they hold is test_appworld.py's concern."""
+    (tmp_path / "appworld" / "data" / "tasks").mkdir(parents=True)
+    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path / "appworld"))
+    monkeypatch.setenv("MEGATRON_AGENT_APPWORLD_PYTHON", sys.executable)
 
 
 @pytest.mark.parametrize("selection", SELECTIONS, ids=lambda s: "-".join(s[g] for g in GROUPS))

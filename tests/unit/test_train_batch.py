@@ -115,3 +115,37 @@ def test_layout_multiple_reads_the_model_config():
     assert layout_multiple([model()]) == 1
     assert layout_multiple([model(tensor_model_parallel_size=4, sequence_parallel=True)]) == 4
     assert layout_multiple([model(tensor_model_parallel_size=2, sequence_parallel=True, fp8="hybrid")]) == 16
+
+
+def _three_samples():
+    return TrainBatch.from_sequences([[5, 6], [7], [8, 9, 1]], [[1, 2], [3], [4, 4]], pad_id=0,
+                                     advantages=[0.5, -1.0, 2.0], rollout_logprobs=[[-0.1, -0.2], [-1], [-2, -3]])
+
+
+def test_dp_shards_take_every_dp_th_sample_cut_to_their_longest():
+    from megatron_agent.training.batch import shard_rows
+
+    whole = _three_samples()
+    first, second = whole.dp_shards(2)
+    assert shard_rows(3, 0, 2) == [0, 2] and shard_rows(3, 1, 2) == [1]
+    assert first.sample_index.tolist() == [0, 2] and first.whole_size == 3 and first.is_shard
+    assert torch.equal(first.tokens, whole.tokens[[0, 2]])
+    assert second.tokens.tolist() == [[7, 3]]  # cut from 5 columns to its own 2
+    assert second.response_mask.shape == (1, 1) and second.rollout_logprobs.tolist() == [[-1.0]]
+    assert second.advantages.tolist() == [-1.0] and second.positions().tolist() == [1]
+    assert not whole.is_shard and whole.positions().tolist() == [0, 1, 2] and whole.whole_batch_size() == 3
+    with pytest.raises(ValueError, match="cuts a whole batch"):
+        first.dp_shard(0, 2)
+
+
+def test_a_shard_travels_as_tensors_and_comes_back_the_same():
+    shard = _three_samples().dp_shard(0, 2)
+    back = TrainBatch.from_tensors(shard.tensors())
+    for name in ("tokens", "response_mask", "advantages", "rollout_logprobs", "lengths", "sample_index"):
+        assert torch.equal(getattr(back, name), getattr(shard, name)), name
+    assert back.temperature == shard.temperature and back.whole_size == 3 and back.old_logprobs is None
+
+
+def test_more_dp_ranks_than_samples_leaves_empty_shards():
+    shards = TrainBatch.from_sequences([[1]], [[2]]).dp_shards(2)
+    assert shards[0].size == 1 and shards[1].size == 0 and shards[1].whole_size == 1
