@@ -8,6 +8,13 @@ STAMP  := $(VENV)/.installed
 VENV_SGLANG   ?= .venv-sglang
 SGLANG_STAMP  := $(VENV_SGLANG)/.installed
 SGLANG_REQS   := tools/sglang_cpu/requirements.txt tools/sglang_cpu/constraints.txt
+# AppWorld pins packages the project's venv holds at other versions (pydantic 1, pytest 8):
+# it runs in a venv of its own behind a worker process (envs/appworld.py).
+VENV_APPWORLD  ?= .venv-appworld
+APPWORLD_STAMP := $(VENV_APPWORLD)/.installed
+# Wheels built on this machine kind for dependencies that otherwise compile for minutes
+# (fast-downward-textworld, ALFWorld's planner); without them pip builds from source.
+FIND_LINKS := $(if $(wildcard ../shared/wheels),--find-links ../shared/wheels)
 
 .PHONY: train test test-fast bench doctor lint clean
 
@@ -16,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q $(FIND_LINKS) -e ".[dev,alfworld]"
 	touch $(STAMP)
 
 # torch first (the CPU build), then sglang without its CUDA dependencies, then its light
@@ -31,11 +38,21 @@ $(SGLANG_STAMP): $(SGLANG_REQS)
 		-c tools/sglang_cpu/constraints.txt
 	touch $(SGLANG_STAMP)
 
+# AppWorld and its apps, unpacked offline (`appworld install`); its data bundle is a
+# download, and the tests build their own tasks (envs/data/appworld/).
+$(APPWORLD_STAMP):
+	$(PYTHON) -m venv $(VENV_APPWORLD)
+	$(VENV_APPWORLD)/bin/python -m pip install -q --upgrade pip
+	$(VENV_APPWORLD)/bin/python -m pip install -q "appworld==0.1.3.post1"
+	APPWORLD_CACHE=$(abspath $(VENV_APPWORLD))/appworld-cache $(VENV_APPWORLD)/bin/appworld install
+	touch $(APPWORLD_STAMP)
+
 train: $(STAMP)
 	$(VENV)/bin/megatron-agent train $(ARGS)
 
-test: $(STAMP) $(SGLANG_STAMP)
+test: $(STAMP) $(SGLANG_STAMP) $(APPWORLD_STAMP)
 	MEGATRON_AGENT_SGLANG_PYTHON=$${MEGATRON_AGENT_SGLANG_PYTHON:-$(abspath $(VENV_SGLANG))/bin/python} \
+	MEGATRON_AGENT_APPWORLD_PYTHON=$${MEGATRON_AGENT_APPWORLD_PYTHON:-$(abspath $(VENV_APPWORLD))/bin/python} \
 		$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
 
 test-fast: $(STAMP)
@@ -51,4 +68,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VENV_SGLANG) .pytest_cache
+	rm -rf $(VENV) $(VENV_SGLANG) $(VENV_APPWORLD) .pytest_cache

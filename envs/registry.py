@@ -30,6 +30,9 @@ _BUILTIN_MODULES = {
     "points24": "envs.gym_cards.points",
     "blackjack": "envs.gym_cards.blackjack",
     "search": "envs.search",
+    "appworld": "envs.appworld",
+    "webshop": "envs.webshop",
+    "alfworld": "envs.alfworld",
 }
 
 
