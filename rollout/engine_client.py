@@ -12,9 +12,12 @@ by cache itself.
 Two ways to generate: `generate(batch)` sends each server its share of the batch in one
 request and returns when all are back (the lock-step agent loop); `submit(one prompt)`
 returns a Future at once (the asynchronous loop keeps thousands in flight). Submitted
-requests queue per server and at most `max_inflight_per_engine` of them are open at
-a time on each (one HTTP call each, from that server's pool of as many threads), so a
-server that batches continuously (SGLang) always has work and is never flooded.
+requests queue per server and at most `max_inflight_per_engine` calls are open at a
+time on each (from that server's pool of as many threads), so a server that batches
+continuously (SGLang) always has work and is never flooded. A call carries one request
+(`requests_per_call=1`, SGLang: a long response holds up no other) or up to
+`requests_per_call` of those queued for the server (an engine that runs each call's
+prompts as one batch, the embedded engine: fewer, fuller batches and HTTP round trips).
 
 A server that fails a request (connection refused or reset, timeout, HTTP 5xx) is
 marked dead, logged with a warning naming it, and its requests are re-sent to the
@@ -34,7 +37,7 @@ import os
 import threading
 import urllib.error
 import urllib.request
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -104,10 +107,23 @@ def _settle(done: Future, result=None, error: BaseException | None = None) -> No
         pass
 
 
+@dataclass
+class _Queued:
+    """A submitted request waiting for its server's next call."""
+
+    done: Future
+    ids: list[int]
+    params: dict
+    rid: str | None
+    key: str | None
+    attempt: int
+
+
 class EngineClient:
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 300.0, max_attempts: int = 3,
                  auth_token: str | None = None, max_sticky_keys: int = 1_000_000,
-                 max_inflight_per_engine: int = 64, rebalance_threshold: int = 32, transport=None):
+                 max_inflight_per_engine: int = 64, rebalance_threshold: int = 32, requests_per_call: int = 1,
+                 transport=None):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -122,7 +138,9 @@ class EngineClient:
         self.pool = ThreadPoolExecutor(max_workers=max(8, 4 * len(self.urls)), thread_name_prefix="engine-http")
         self.max_inflight_per_engine = max_inflight_per_engine
         self.rebalance_threshold = rebalance_threshold
-        self.lanes: dict[str, ThreadPoolExecutor] = {}  # submit()'s requests, per server
+        self.requests_per_call = requests_per_call
+        self.lanes: dict[str, ThreadPoolExecutor] = {}  # submit()'s calls, per server
+        self.queued: dict[str, deque] = {}  # submit()'s requests not sent yet, per server
         # (method, url, body, timeout_s=, token=) -> (status, body); http_json unless a
         # benchmark or test serves the protocol in process.
         self.transport = transport or http_json
@@ -228,37 +246,50 @@ class EngineClient:
                 self.lanes[url] = ThreadPoolExecutor(max_workers=self.max_inflight_per_engine,
                                                      thread_name_prefix="engine-lane")
             lane = self.lanes[url]
+            self.queued.setdefault(url, deque()).append(_Queued(done, ids, params, rid, key, attempt))
         try:
-            lane.submit(self._run_one, done, url, ids, params, rid, key, attempt)
+            lane.submit(self._run_queued, url)  # one call per request at most; later ones may find it sent
         except RuntimeError as e:  # closed
             self._release(url, key, failed=False)
             _settle(done, error=EngineError(f"client closed: {e}"))
 
-    def _run_one(self, done: Future, url: str, ids, params, rid, key, attempt: int) -> None:
-        if done.cancelled():  # the caller gave up on it (an aborted rollout): never sent
-            self._release(url, key, failed=False)
-            return
-        if url not in self.alive:  # marked dead while this request queued: no attempt spent
-            self._release(url, key, failed=True)
-            self._send(done, ids, params, rid, key, attempt)
-            return
-        try:
-            out = self._post_generate(url, [ids], [params], [rid] if rid else None)[0]
-        except _ServerFailed as e:
-            self._release(url, key, failed=True)
-            self._mark_dead(url, str(e))
-            if attempt + 1 >= self.max_attempts:
-                _settle(done, error=EngineError(f"request {rid} failed on {self.max_attempts} attempts "
-                                                f"({self._dead_summary()})"))
+    def _run_queued(self, url: str) -> None:
+        """One call with up to `requests_per_call` of the server's queued requests."""
+        with self.lock:
+            queue = self.queued.get(url) or deque()
+            taken = [queue.popleft() for _ in range(min(len(queue), self.requests_per_call))]
+        items = []
+        for q in taken:
+            if q.done.cancelled():  # the caller gave up on it (an aborted rollout): never sent
+                self._release(url, q.key, failed=False)
+            elif url not in self.alive:  # marked dead while this request queued: no attempt spent
+                self._release(url, q.key, failed=True)
+                self._send(q.done, q.ids, q.params, q.rid, q.key, q.attempt)
             else:
-                self._send(done, ids, params, rid, key, attempt + 1)
+                items.append(q)
+        if not items:
             return
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            self._release(url, key, failed=False)
-            _settle(done, error=e)
+        rids = [q.rid for q in items] if all(q.rid for q in items) else None
+        try:
+            outs = self._post_generate(url, [q.ids for q in items], [q.params for q in items], rids)
+        except _ServerFailed as e:
+            self._mark_dead(url, str(e))
+            for q in items:
+                self._release(url, q.key, failed=True)
+                if q.attempt + 1 >= self.max_attempts:
+                    _settle(q.done, error=EngineError(f"request {q.rid} failed on {self.max_attempts} attempts "
+                                                      f"({self._dead_summary()})"))
+                else:
+                    self._send(q.done, q.ids, q.params, q.rid, q.key, q.attempt + 1)
             return
-        self._release(url, key, failed=False)
-        _settle(done, result=out)
+        except BaseException as e:  # noqa: BLE001 - handed to the callers
+            for q in items:
+                self._release(url, q.key, failed=False)
+                _settle(q.done, error=e)
+            return
+        for q, out in zip(items, outs):
+            self._release(url, q.key, failed=False)
+            _settle(q.done, result=out)
 
     def _release(self, url: str, key: str | None, failed: bool) -> None:
         with self.lock:

@@ -44,6 +44,10 @@ class EngineConfig:
     # The asynchronous agent loop's requests open at once on each engine (the rest queue in
     # the client); about the engine's own batch, so it batches continuously.
     max_inflight_per_engine: int = 64
+    # Requests per /generate call of the asynchronous loop (rollout/engine_client.py): 1 for
+    # SGLang (it batches continuously); more for the embedded engine, which runs a call's
+    # prompts as one batch.
+    requests_per_call: int = 1
     dtype: str = "float32"
     # What the driver starts when `urls` is empty: "embedded" (this project's CPU engine)
     # or "sglang" (an SGLang server per engine, on `gpus_per_engine` GPUs, placement=ray).
@@ -321,7 +325,8 @@ def start_sglang_cpu_server(model_path: str | Path, *, tp_size: int = 1, python:
 
 def engine_client(config: EngineConfig, urls: list[str]) -> EngineClient:
     return EngineClient(urls, timeout_s=config.timeout_s, max_attempts=config.max_attempts,
-                        auth_token=config.auth_token, max_inflight_per_engine=config.max_inflight_per_engine)
+                        auth_token=config.auth_token, max_inflight_per_engine=config.max_inflight_per_engine,
+                        requests_per_call=config.requests_per_call)
 
 
 def start_engines(config: EngineConfig, model_path: str | Path | None = None,

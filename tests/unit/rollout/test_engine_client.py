@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -24,6 +25,7 @@ class FakeServer:
         self.info: dict = {}
         self.info_paths: tuple[str, ...] = ("/server_info", "/get_server_info")
         self.replies: dict[str, object] = {}
+        self.generate_delay_s = 0.0
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,6 +62,7 @@ class FakeServer:
                     return self._reply(200, fake.replies[self.path])
                 if self.path != "/generate":
                     return self._reply(200, {"success": True, "auth": self.headers.get("Authorization")})
+                time.sleep(fake.generate_delay_s)
                 outs = [{"text": "x", "output_ids": [len(ids), fake.index],
                          "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "3",
                                        "output_token_logprobs": [[-0.5, len(ids), None], [-0.25, fake.index, None]]}}
@@ -271,6 +274,28 @@ def test_submitted_requests_stick_fail_over_and_stay_within_the_bound(servers, c
     b.mode = "drop"
     with pytest.raises(NoEngineLeft):
         client.submit([1], {}).result(timeout=30)
+    client.close()
+
+
+def test_submitted_requests_that_queue_share_calls_up_to_requests_per_call(servers, caplog):
+    """An engine that runs a call's prompts as one batch gets the queued requests together;
+    each Future still gets its own answer, and a dead server's share is re-sent."""
+    a, = servers("ok")
+    a.generate_delay_s = 0.2  # the first call is out while the rest queue
+    client = EngineClient([a.url], max_inflight_per_engine=1, requests_per_call=16)
+    futures = [client.submit([1] * n, {}, rid=f"r{n}") for n in range(1, 21)]
+    assert [f.result(timeout=30).output_ids[0] for f in futures] == list(range(1, 21))
+    calls = a.generate_calls()
+    assert len(calls) <= 3 and max(len(c["input_ids"]) for c in calls) == 16
+    assert sorted(r for c in calls for r in c["rid"]) == sorted(f"r{n}" for n in range(1, 21))
+    client.close()
+
+    dead, b = servers("drop", "ok")[-2:]
+    client = EngineClient([dead.url, b.url], requests_per_call=8)
+    with caplog.at_level(logging.WARNING, logger="rollout.engine_client"):
+        outs = [f.result(timeout=30) for f in [client.submit([1] * n, {}) for n in range(1, 11)]]
+    assert [o.output_ids[0] for o in outs] == list(range(1, 11)) and {o.server for o in outs} == {b.url}
+    assert client.load == {dead.url: 0, b.url: 0}
     client.close()
 
 
