@@ -12,7 +12,7 @@ Colocated (`placement.colocate`: the engines share the trainer's machine and dev
 after the rollout the engines release their memory (`/release_memory_occupation`,
 weights and KV cache) while the actor trains; the weight sync first resumes their
 weights' memory, then sends the weights (by tensor handles: `weight_sync.transport`
-"tensor", megatron_agent/weight_sync/tensor_sync.py), then resumes the KV cache. Engines
+"tensor": megatron_agent/weight_sync/tensor_sync.py), then resumes the KV cache. Engines
 that refuse the release keep their memory: the run logs why, once, and goes on. (SGLang
 on a CPU accepts both calls and frees nothing: its memory saver is CUDA-only.)
 
@@ -25,6 +25,7 @@ sends the current weights (`version`), and the step runs again, at most
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -42,13 +43,9 @@ def weight_transport(config) -> str:
 
 
 def make_weight_sync(actor, urls: list[str], config):
-    if weight_transport(config) == "tensor":
-        from megatron_agent.weight_sync.tensor_sync import TensorWeightSync
-
-        return TensorWeightSync(actor, urls, config.weight_sync)
     from megatron_agent.weight_sync import WeightSync
 
-    return WeightSync(actor, urls, config.weight_sync)
+    return WeightSync(actor, urls, dataclasses.replace(config.weight_sync, transport=weight_transport(config)))
 
 
 class EngineFleet:

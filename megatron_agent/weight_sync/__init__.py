@@ -10,7 +10,9 @@ Every trainer rank calls `WeightSync.sync(version)` together:
    `bucket_bytes`, announces each over HTTP and broadcasts it over its own
    weight-update group (NCCL on GPU, gloo on CPU) joined with the engines; the next
    bucket is written (into one of two reused buffers) while the current one is on the
-   wire (buckets.py);
+   wire (buckets.py). With `transport: tensor` (colocated engines) there is no group:
+   each bucket's tensors go to the engines as handles to this machine's shared or GPU
+   memory (`/update_weights_from_tensor`, tensor_sync.py) while the next one is exported;
 3. rank 0 closes the update, bumps the weight version and resumes generation.
 
 A failure on any rank (an engine that died, a timeout) reaches every rank as a
@@ -43,9 +45,9 @@ class WeightSyncConfig:
     backend: str | None = None  # None: nccl on GPU, gloo on CPU
     master_address: str = "127.0.0.1"  # this host, as the engines reach it
     flattened: bool = True  # one uint8 tensor per bucket ("flattened_bucket")
-    # "broadcast": over a weight-update group (this module); "tensor": handles to shared
-    # memory / CUDA IPC, engines on the same machine (tensor_sync.py); None: tensor when
-    # placement.colocate, else broadcast.
+    # "broadcast": over a weight-update group; "tensor": handles to shared memory / CUDA
+    # IPC, engines on the same machine (tensor_sync.py); None: tensor when
+    # placement.colocate, else broadcast (engine_fleet.weight_transport).
     transport: str | None = None
     check: bool = False  # compare a checksum of every tensor each engine loaded
     timeout_s: float = 300.0
@@ -76,6 +78,8 @@ class WeightSync:
         # e.g. from an earlier trainer that died without destroying its group
         self.instance = uuid.uuid4().hex[:8]
         self.buffers = BucketBuffers()  # the source's two bucket buffers, kept across syncs
+        self.by_handles = self.config.transport == "tensor"
+        self.engine_ranks: dict[str, int] | None = None  # tensor transport: one payload per engine rank
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """New engine addresses (restarted engines); the next sync reconnects."""
@@ -129,7 +133,7 @@ class WeightSync:
         self.group = None
         if self.client is not None:
             self.client.close()
-        self.client = None
+        self.client, self.engine_ranks = None, None
 
     # --- one sync -------------------------------------------------------------------
 
@@ -170,10 +174,11 @@ class WeightSync:
         from rollout.weight_group import weight_checksum
 
         errors: list[str] = []
-        if self.is_source and self.group is None:
+        if self.is_source and self.group is None and not self.by_handles:
             errors += self._try(self._connect)
+        # handles: the exported tensors as they are (the engines copy them before answering)
         pipeline = BucketPipeline(self._send_bucket(version), self.config.bucket_bytes,
-                                  flattened=self.config.flattened, buffers=self.buffers)
+                                  flattened=self.config.flattened and not self.by_handles, buffers=self.buffers)
         checksums = {}
         for name, tensor in self.actor.named_hf_weights():
             if not self.is_source or errors or pipeline.failed:
@@ -186,6 +191,16 @@ class WeightSync:
         return pipeline.sent_bytes, pipeline.buckets, checksums, errors
 
     def _send_bucket(self, version: str):
+        if self.by_handles:
+            from megatron_agent.weight_sync.tensor_sync import send_tensor_bucket
+
+            def send_handles(named, flat):
+                if self.engine_ranks is None:
+                    self.engine_ranks = self._client().server_ranks(timeout_s=min(30.0, self.config.timeout_s))
+                send_tensor_bucket(self._client(), named, self.engine_ranks, weight_version=version,
+                                   flattened=self.config.flattened, timeout_s=self.config.timeout_s)
+            return send_handles
+
         def send(named, flat):
             send_weights(self._client(), self.group, named, self.group_name, weight_version=version,
                          flattened=self.config.flattened, timeout_s=self.config.timeout_s, flat=flat)
@@ -224,7 +239,7 @@ class WeightSync:
             down = [url for url, ok in health.items() if not ok]
         self._disconnect()
         raise WeightSyncError(
-            f"weight sync failed while {during}"
+            f"weight sync ({'tensor handles' if self.by_handles else 'broadcast'}) failed while {during}"
             + (f"; engine(s) down: {', '.join(down)}" if down else "")
             + "\n" + "\n".join(failures)
         )

@@ -41,7 +41,8 @@ def _train_probing_the_release(overrides: list[str]) -> list[dict]:
 def test_colocated_cpu_job_releases_resumes_and_serves_the_synced_weights(tiny_model_dir, tmp_path):
     overrides = [f"run_dir={tmp_path}", f"model_dir={tiny_model_dir('qwen3')}", "placement.colocate=true",
                  "num_groups=2", "group_size=2", "iterations=3", "loop.max_steps=3", "stop_success=null",
-                 "val_every=0", "save_every=0", "samples_every=0", "check.every=1"]
+                 "val_every=0", "save_every=0", "samples_every=0", "check.every=1",
+                 "weight_sync.check=true"]  # the engines' checksums of every tensor, compared after each sync
     history = run_on_ranks(_train_probing_the_release, 1, overrides, timeout_s=600)[0]
     assert [row["iteration"] for row in history] == [0, 1, 2]
     for row in history:
