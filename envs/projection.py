@@ -54,13 +54,9 @@ def normalise_choice(value: str, choices: tuple[str, ...]) -> str | None:
     return word if word in choices else None
 
 
-def parse_tagged_action(text: object, choices: tuple[str, ...], require_think: bool = True) -> str | None:
-    """`<think>...</think><action>word</action>` -> word.
-
-    Valid when there is exactly one action block whose content is one of `choices`,
-    and (with require_think) exactly one think block that closes before the action
-    block opens. Text outside the blocks is ignored.
-    """
+def action_block(text: object, require_think: bool = True) -> str | None:
+    """The content of the one `<action>` block, with (require_think) exactly one
+    `<think>` block closing before it opens; None otherwise. Text outside is ignored."""
     if not isinstance(text, str):
         return None
     action = single_block(text, "action")
@@ -70,7 +66,14 @@ def parse_tagged_action(text: object, choices: tuple[str, ...], require_think: b
         think = single_block(text, "think")
         if think is None or think[1] > action[0]:
             return None
-    return normalise_choice(action[2], choices)
+    return action[2]
+
+
+def parse_tagged_action(text: object, choices: tuple[str, ...], require_think: bool = True) -> str | None:
+    """`<think>...</think><action>word</action>` -> word, when the action block's
+    content is one of `choices` (`action_block`'s rules for the blocks)."""
+    action = action_block(text, require_think)
+    return None if action is None else normalise_choice(action, choices)
 
 
 _JSON_KEY = re.compile(r'"(?ai:action)"\s*:\s*')  # whitespace in the unicode sense, like str.strip()

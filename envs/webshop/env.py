@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from envs.base import VALIDATION_SEED_OFFSET, Observation, make_info
-from envs.projection import single_block
+from envs.projection import action_block
 from envs.retrievers import BM25Retriever, Passage
 from envs.webshop.catalogue import Catalogue, Goal, load_published
 from envs.webshop.generate import generated_catalogue
@@ -73,16 +73,10 @@ def parse_webshop_action(text: object, require_think: bool = True) -> tuple[str,
     """`<action>search[q]</action>` -> ("search", q); `<action>click[x]</action>` ->
     ("click", x). One action block (and, with require_think, one think block closing
     before it) whose stripped content is verb[argument] with a non-blank argument."""
-    if not isinstance(text, str):
-        return None
-    action = single_block(text, "action")
+    action = action_block(text, require_think)
     if action is None:
         return None
-    if require_think:
-        think = single_block(text, "think")
-        if think is None or think[1] > action[0]:
-            return None
-    match = _VERB_ARG.fullmatch(action[2].strip())
+    match = _VERB_ARG.fullmatch(action.strip())
     if match is None or not match.group(2).strip():
         return None
     return match.group(1).lower(), match.group(2).strip()
