@@ -25,6 +25,7 @@ from envs.alfworld import TASK_TYPES, AlfworldConfig, game_for_seed, games_root
 from envs.projection import parse_tagged_action
 from megatron_agent.algorithms import anchor_key
 from megatron_agent.algorithms.gigpo import anchor_state_codes
+from tests.integration.envs.env_job import train_two_iterations
 
 # slow: ~30 s on 2 idle cores (games generated, two worker pools); one xdist group: made once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("alfworld")]
@@ -155,6 +156,13 @@ malformed = st.one_of(
                      "<think>x</think><action>go to desk 99</action>", "<think>x</think><action>help</action>",
                      "<think>x</think><action>go to desk 1</action>", "<THINK>x</THINK><Action> LOOK </Action>"]),
 )
+
+
+def test_the_cpu_job_runs_two_iterations_on_alfworld(games_dir, tmp_path):
+    rows = train_two_iterations(tmp_path, "alfworld", [
+        f"+env_config.games_dir={games_dir}", "+env_config.max_steps=3", "loop.max_steps=3",
+        "loop.prompt.max_prompt_tokens=1536"])
+    assert all(any(k.startswith("train/success_rate/pick") for k in row) for row in rows)  # per task type
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

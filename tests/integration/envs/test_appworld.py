@@ -27,6 +27,7 @@ from envs.appworld import (
     AppWorldMissing,
     parse_code_action,
 )
+from tests.integration.envs.env_job import train_two_iterations
 
 pytestmark = pytest.mark.slow  # each AppWorld process spends ~7 s CPU building its apps' routes
 
@@ -120,6 +121,11 @@ def test_question_task_then_max_steps_with_partial_credit_and_malformed_text(app
         assert dones[0] and infos[0]["truncated"] and not infos[0]["won"]
         assert infos[0]["num_passed"] == 1 and infos[0]["num_tests"] == 2
         assert rewards[0] == pytest.approx(5.0)  # 10 * 1/2 with partial_credit
+
+
+def test_the_cpu_job_runs_two_iterations_on_appworld(appworld_python, appworld_root, tmp_path):
+    train_two_iterations(tmp_path, "appworld", ["env_config.max_steps=2", "loop.max_steps=2"],
+                         {"APPWORLD_ROOT": str(appworld_root), "MEGATRON_AGENT_APPWORLD_PYTHON": appworld_python})
 
 
 def test_missing_venv_or_data_is_a_clear_error(tmp_path):
