@@ -17,6 +17,8 @@ APPWORLD_STAMP := $(VENV_APPWORLD)/.installed
 FIND_LINKS := $(if $(wildcard ../shared/wheels),--find-links ../shared/wheels)
 
 .PHONY: train test test-fast bench doctor lint clean
+# The venvs of `make test` install side by side (mostly downloads and unpacking).
+MAKEFLAGS += --jobs=3
 
 # torch first, pinned to the CPU build on disk, so nothing later pulls a CUDA wheel.
 $(STAMP): pyproject.toml
