@@ -2,8 +2,8 @@
 
 The data folder is built once per module by envs/data/appworld/make_appworld_tasks.py
 (three Venmo tasks; AppWorld's own data bundle is a download). The AppWorld venv is
-`.venv-appworld` or $MEGATRON_AGENT_APPWORLD_PYTHON; without one these tests fail under
-CI=true (make test installs it) and are skipped elsewhere, with the reason.
+`.venv-appworld` or $MEGATRON_AGENT_APPWORLD_PYTHON; without one these tests fail, with
+the reason (make test installs it).
 """
 
 from __future__ import annotations
@@ -40,11 +40,8 @@ TRAIN_TASKS = ["venmopay_1", "venmobalance_1", "venmorequest_1"]  # seed g -> ta
 def appworld_python() -> str:
     python = os.environ.get(PYTHON_ENV_VAR) or str(CHECKOUT_VENV_PYTHON)
     if not Path(python).exists():
-        reason = (f"no AppWorld venv: {python} does not exist (`make test` installs it; "
-                  f"`make .venv-appworld/.installed` alone, or set {PYTHON_ENV_VAR})")
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        pytest.fail(f"no AppWorld venv: {python} does not exist (`make test` installs it; "
+                    f"`make .venv-appworld/.installed` alone, or set {PYTHON_ENV_VAR})")
     return python
 
 
