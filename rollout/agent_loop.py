@@ -136,14 +136,8 @@ def run_lockstep(slots: list[Slot], engine, timeline: Timeline) -> None:
         timeline.record("generate", t0, time.perf_counter())
         for slot in slots:
             mine = [(i, p, out) for (s, i, p), out in zip(batch, outputs) if s is slot]
-            if not mine:
-                continue
-            texts = {i: slot.decode(out) for i, _, out in mine}
-            t0 = time.perf_counter()
-            stepped = slot.envs.step_copies(texts)
-            timeline.record("env", t0, time.perf_counter())
-            for i, prompt, out in mine:
-                slot.record(i, prompt, out, texts[i], stepped[i])
+            if mine:
+                slot.step(mine, timeline)
 
 
 def rollout_result(slots: list[Slot], config: AgentLoopConfig, timeline: Timeline, wall: float) -> RolloutResult:

@@ -95,12 +95,8 @@ def run_async(slots: list[Slot], engine, timeline: Timeline) -> None:
                 if not items:
                     draining.discard(lane)
                     return
-            texts = {i: slot.decode(output) for i, _, output in items}
-            t0 = time.perf_counter()
-            stepped = slot.envs.step_copies(texts)
-            timeline.record("env", t0, time.perf_counter())
-            for i, prompt, output in items:
-                if slot.record(i, prompt, output, texts[i], stepped[i]):
+            for i, goes_on in slot.step(items, timeline):
+                if goes_on:
                     start(lane[0], i)
                 else:
                     with lock:

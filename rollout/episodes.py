@@ -7,6 +7,7 @@ trajectory, so the loops may advance copies together or one by one.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -124,6 +125,15 @@ class Slot:
     def decode(self, output) -> str:
         with self.settings.tokenizer_lock:
             return self.settings.tokenizer.decode(output.output_ids, skip_special_tokens=True)
+
+    def step(self, items: list[tuple[int, Prompt, object]], timeline: Timeline) -> list[tuple[int, bool]]:
+        """Step the copies of `items` ((copy, its prompt, the engine's output)) in one
+        env call and record each; [(copy, whether its episode goes on)]."""
+        texts = {i: self.decode(output) for i, _, output in items}
+        t0 = time.perf_counter()
+        stepped = self.envs.step_copies(texts)
+        timeline.record("env", t0, time.perf_counter())
+        return [(i, self.record(i, prompt, output, texts[i], stepped[i])) for i, prompt, output in items]
 
     def record(self, i: int, prompt: Prompt, output, text: str, stepped: tuple) -> bool:
         """Store copy i's step (its prompt, the engine's output, its decoded text and the
