@@ -10,6 +10,7 @@ script's trap kills them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -289,24 +290,35 @@ def test_train_waits_for_the_fleet_urls_file_and_gives_up(stubs):
     assert calls(stubs, "megatron-agent") == []
 
 
-def test_fleet_writes_urls_when_healthy_and_removes_them_on_cancel(stubs):
-    urls = stubs / "fleet.urls"
-    env = base_env(stubs, MODEL_PATH="/models/q", TP_SIZE="4", URLS_FILE=str(urls),
-                   SGLANG_ARGS="--mem-fraction-static 0.8")
+@contextlib.contextmanager
+def running_fleet(stubs, env, urls):
+    """The fleet script, entered once it wrote its URL file; cancelled (SIGTERM) on leaving.
+    Yields a dict that then holds its stdout, stderr and exit code."""
     proc = subprocess.Popen(["bash", str(FLEET)], env=env, cwd=stubs, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    ended = {}
     try:
         deadline = time.monotonic() + 15
         while not urls.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert urls.read_text().split() == ["http://node1:30000", "http://node1:30001",
-                                            "http://node2:30000", "http://node2:30001"]
+        assert urls.exists(), proc.stderr.read() if proc.poll() is not None else "no URL file"
+        yield ended
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=15)
+        ended["out"], ended["err"] = proc.communicate(timeout=15)
+        ended["returncode"] = proc.returncode
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 143, err
+
+
+def test_fleet_writes_urls_when_healthy_and_removes_them_on_cancel(stubs):
+    urls = stubs / "fleet.urls"
+    env = base_env(stubs, MODEL_PATH="/models/q", TP_SIZE="4", URLS_FILE=str(urls),
+                   SGLANG_ARGS="--mem-fraction-static 0.8")
+    with running_fleet(stubs, env, urls) as ended:
+        assert urls.read_text().split() == ["http://node1:30000", "http://node1:30001",
+                                            "http://node2:30000", "http://node2:30001"]
+    assert ended["returncode"] == 143, ended["err"]
     assert not urls.exists()
     servers = {(row[row.index("-w") + 1], row[row.index("--port") + 1]): row
                for row in calls(stubs, "srun")}
@@ -323,22 +335,11 @@ def test_fleet_makes_a_key_for_every_server_and_hands_it_over_unprinted(stubs):
     urls, key_file = stubs / "runs" / "fleet.urls", stubs / "runs" / "fleet.urls.key"
     env = base_env(stubs, MODEL_PATH="/models/q", TP_SIZE="4", URLS_FILE=str(urls),
                    MEGATRON_AGENT_ENGINE_TOKEN="from-the-submit-environment")
-    proc = subprocess.Popen(["bash", str(FLEET)], env=env, cwd=stubs, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 15
-        while not urls.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert urls.exists(), proc.stderr.read() if proc.poll() is not None else "no URL file"
+    with running_fleet(stubs, env, urls) as ended:
         key = key_file.read_text().strip()
         assert re.fullmatch(r"[0-9a-f]{64}", key)  # a fresh key, not the one in the environment
         assert key_file.stat().st_mode & 0o777 == 0o600
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=15)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert key not in out + err  # never in the job's log
+    assert key not in ended["out"] + ended["err"]  # never in the job's log
     assert not key_file.exists() and not urls.exists()  # removed with the fleet
     servers = calls(stubs, "python")
     assert len(servers) == 4
