@@ -31,6 +31,7 @@ from megatron_agent.run_dir import (
     actor_checkpoint_dir,
     checkpoint_name,
     critic_checkpoint_dir,
+    engine_model_dir_of,
     latest_checkpoint,
     model_dir_of,
     prepare_run_dir,
@@ -61,7 +62,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
     from megatron_agent.platform import from_leader, init_distributed
     from megatron_agent.training.actor import Actor
     from megatron_agent.training.batch import gather_rows, scatter_batch, scatter_rows
-    from megatron_agent.training.checks import served_vs_trained
+    from megatron_agent.training.checks import batch_rollout_gap, served_vs_trained
     from megatron_agent.training.critic import Critic
     from rollout.agent_loop import run_validation
 
@@ -77,7 +78,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
 
     fleet = envs = val_envs = metrics_log = None
     try:
-        fleet = EngineFleet(config, model_dir, actor, leader=leader, launch_engines=launch_engines)
+        fleet = EngineFleet(config, engine_model_dir_of(config), actor, leader=leader, launch_engines=launch_engines)
         if leader:
             metrics_log = MetricsLog(run_dir, history)
             envs = env_manager(config, config.num_groups, config.group_size)
@@ -113,14 +114,19 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                 batch.advantages = targets["advantages"]
 
             with timer.phase("logprobs"):
+                quantized = config.weight_sync.quantize
+                # quantized rollouts: the whole batch's gap every iteration, from the old logprobs
+                if config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1 or quantized:
+                    batch.old_logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
                 # served vs trained compares the same weights: not for a rollout done ahead
-                checked = (served_vs_trained(actor, batch, config.check, config.actor.params_dtype, iteration)
+                checked = (served_vs_trained(actor, batch, config.check, config.actor.params_dtype, iteration,
+                                             quantize=quantized)
                            if config.check.due(iteration, first_iteration) and not rollouts.taken_ahead else {})
+                if quantized:
+                    checked.update(batch_rollout_gap(batch, prefix=f"{quantized}/"))
                 if actor.reference is not None:  # built for an active KL loss only
                     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True,
                                                                 with_entropy=False)["logprobs"]
-                if config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1:
-                    batch.old_logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
 
             with timer.phase("update"):
                 metrics = {**checked, **actor.update(batch)}

@@ -106,8 +106,19 @@ def load_run_config(overrides: list[str] | None = None, *, config_dir: Path = CO
         run = OmegaConf.to_object(composed)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_first_line(err)) from None
+    resolve_defaults(run)
     validate_run_config(run)
     return run
+
+
+def resolve_defaults(run: RunConfig) -> None:
+    """Defaults that depend on other sections, written into the config (so run_dir/config.json
+    shows them): FP8 rollouts turn truncated importance sampling on (algorithm.tis_cap
+    FP8_DEFAULT_TIS_CAP) unless it is set."""
+    from megatron_agent.weight_sync.fp8 import FP8_DEFAULT_TIS_CAP
+
+    if run.weight_sync.quantize == "fp8" and run.algorithm.tis_cap is None:
+        run.algorithm.tis_cap = FP8_DEFAULT_TIS_CAP
 
 
 def _schema():
@@ -174,11 +185,12 @@ def validate_run_config(run: RunConfig) -> None:
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)
+    validate_quantized_rollout(run)
 
 
 def validate_placement(run: RunConfig) -> None:
     """The parallel layout against the ranks and the model, where the engines go."""
-    from megatron_agent.models.tiny import PRESETS, TIED_EMBEDDINGS, TOKENIZER_KINDS, hf_config_for
+    from megatron_agent.models.tiny import PRESETS, TIED_EMBEDDINGS, TOKENIZER_KINDS
     from megatron_agent.models.transformer_config import validate_layout_for_model
     from megatron_agent.platform import ParallelLayoutError
 
@@ -201,13 +213,9 @@ def validate_placement(run: RunConfig) -> None:
                                     ("tokenizer", tiny.tokenizer, sorted(TOKENIZER_KINDS))):
             if value not in allowed:
                 raise ConfigError(f"tiny_model.{key}={value!r}; choose one of {allowed}")
-        hf = hf_config_for(tiny.family, tiny.preset, num_hidden_layers=tiny.num_hidden_layers)
-    else:
-        config_file = Path(run.model_dir) / "config.json"
-        if not config_file.is_file():
-            raise ConfigError(f"model_dir={run.model_dir!r} has no config.json (an HF model directory is needed)")
-        hf = json.loads(config_file.read_text())
-        hf = hf.get("text_config", hf)
+    elif not (Path(run.model_dir) / "config.json").is_file():
+        raise ConfigError(f"model_dir={run.model_dir!r} has no config.json (an HF model directory is needed)")
+    hf = _model_hf_config(run)
     try:
         validate_layout_for_model(hf, run.parallel, training=True)
     except ParallelLayoutError as err:
@@ -223,3 +231,46 @@ def validate_placement(run: RunConfig) -> None:
             raise ConfigError(str(err)) from None
     if run.engine.server == "sglang" and not run.engine.urls and run.placement.launcher != "ray":
         raise ConfigError("engine.server='sglang' is started by placement.launcher=ray (or give engine.urls)")
+
+
+def validate_quantized_rollout(run: RunConfig) -> None:
+    """weight_sync.quantize, and what SGLang's block-FP8 layers need of the model and engines."""
+    from megatron_agent.weight_sync.fp8 import QUANTIZE_MODES, sglang_fp8_problems
+
+    if run.weight_sync.quantize is None:
+        return
+    if run.weight_sync.quantize not in QUANTIZE_MODES:
+        raise ConfigError(f"weight_sync.quantize={run.weight_sync.quantize!r}; choose one of {QUANTIZE_MODES} "
+                          "(or null: the training dtype)")
+    if run.engine.server != "sglang":
+        return  # the embedded engine dequantizes any shape
+    if run.engine.dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"weight_sync.quantize=fp8 with engine.server=sglang needs engine.dtype bfloat16 or "
+                          f"float16 (SGLang's FP8 layers refuse {run.engine.dtype})")
+    hf = _model_hf_config(run)
+    engine_tp = max(1, run.engine.gpus_per_engine)
+    problems = sglang_fp8_problems(hf, engine_tp, engine_ep=_server_arg(run.engine.server_args, "--ep-size", 1))
+    if problems:
+        raise ConfigError(f"weight_sync.quantize=fp8: SGLang cannot build 128x128 block-FP8 layers for this model "
+                          f"at engine TP {engine_tp} (engine.gpus_per_engine): {'; '.join(problems)}")
+
+
+def _model_hf_config(run: RunConfig) -> dict:
+    from megatron_agent.models.tiny import hf_config_for
+
+    if run.model_dir is None:
+        tiny = run.tiny_model
+        return hf_config_for(tiny.family, tiny.preset, num_hidden_layers=tiny.num_hidden_layers)
+    hf = json.loads((Path(run.model_dir) / "config.json").read_text())
+    return hf.get("text_config", hf)
+
+
+def _server_arg(args, flag: str, default: int) -> int:
+    """An integer flag among SGLang's extra arguments (`--flag N` or `--flag=N`)."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith(flag + "="):
+            return int(arg.split("=", 1)[1])
+    return default

@@ -3,6 +3,7 @@
     run_dir/
       config.json            the resolved RunConfig
       model/                 the tiny model made on the spot (when model_dir is None)
+      engine_model_fp8/      with weight_sync.quantize=fp8: the model as block FP8, what the engines start from
       metrics.jsonl          one JSON row per iteration (rank 0)
       tensorboard/           the same rows as TensorBoard scalars
       samples/iter_N.txt     a few episodes as text, every samples_every iterations
@@ -22,6 +23,13 @@ def model_dir_of(config) -> str:
     return config.model_dir or str(Path(config.run_dir) / "model")
 
 
+def engine_model_dir_of(config) -> str:
+    """The model the engines load: the trainer's, or its FP8 checkpoint (weight_sync.quantize)."""
+    if config.weight_sync.quantize == "fp8":
+        return str(Path(config.run_dir) / "engine_model_fp8")
+    return model_dir_of(config)
+
+
 def prepare_run_dir(config) -> None:
     """Before any rank starts: the run directory, the tiny model, the resolved config, and
     no metrics left from an earlier run in the same directory (unless resuming from it)."""
@@ -34,6 +42,10 @@ def prepare_run_dir(config) -> None:
         tiny = config.tiny_model
         write_tiny_model(tiny.family, model_dir, preset=tiny.preset, seed=config.seed, tokenizer=tiny.tokenizer,
                          num_hidden_layers=tiny.num_hidden_layers)
+    if config.weight_sync.quantize == "fp8":
+        from megatron_agent.weight_sync.fp8 import write_fp8_checkpoint
+
+        write_fp8_checkpoint(model_dir, engine_model_dir_of(config))
     (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists() and not (config.resume and Path(config.resume).resolve() == run_dir.resolve()):

@@ -12,18 +12,27 @@ Invalid requests raise `BadRequest`.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import pickle
 import queue
 import threading
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from rollout.engine_guard import generation_problem
 from rollout.engine_memory import free_parameters, memory_tags, reallocate_parameters, released_problem
-from rollout.engine_weights import receive_flat_bucket, receive_per_tensor, receive_tensors, weight_view
+from rollout.engine_weights import (
+    checkpoint_tensors,
+    receive_flat_bucket,
+    receive_per_tensor,
+    receive_tensors,
+    weight_view,
+)
+from rollout.fp8_blocks import DEFAULT_BLOCK, Fp8Pairs, fp8_block_size, scale_shape, weight_name_of
 from rollout.token_sampler import sample_tokens, token_uniforms
 from rollout.weight_group import (
     destroy_weight_update_group,
@@ -105,11 +114,12 @@ class Engine:
     max_new_tokens_cap: int | None = None  # per request, beside the model's context; the server sets it
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_path = model_path
         self.dtype = dtype_from_name(dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        self.released: set[str] = set()  # memory tags released (engine_memory.py)
+        self.model, self.fp8 = self._load_model(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -127,11 +137,34 @@ class Engine:
         self.in_update = False
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self.receive_scratch = torch.empty(0, dtype=torch.uint8)  # reused by buckets that cannot land in place
-        self.released: set[str] = set()  # memory tags released (engine_memory.py)
         self.freed: list = []  # the parameters "weights" freed, with their shapes
         self.batch_running = False
         self.worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
         self.worker.start()
+
+    def _load_model(self, model_path: str):
+        """The HF model, and the FP8 pairing of weight updates. A block-FP8 checkpoint
+        (config.json's quantization_config, rollout/fp8_blocks.py) is built unquantized in
+        the engine's dtype and loaded dequantized, as FP8 weight updates are."""
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        block = fp8_block_size(getattr(config, "quantization_config", None))
+        fp8 = Fp8Pairs(block or DEFAULT_BLOCK)
+        if block is None:
+            return AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval(), fp8
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).eval()
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(model_path)
+        except OSError:  # no generation_config.json: the model config's
+            pass
+        self.model, self.fp8 = model, fp8
+        loaded = self._copy_in(checkpoint_tensors(model_path))
+        missing = [n for n, p in model.named_parameters() if p.untyped_storage().data_ptr() not in loaded]
+        if missing:
+            raise ValueError(f"{model_path}: the FP8 checkpoint has no weights for {missing[:5]}")
+        return model, fp8
 
     # -- generation --------------------------------------------------------------------
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str) -> Request:
@@ -335,9 +368,15 @@ class Engine:
     # -- weights -----------------------------------------------------------------------
     def begin_weight_update(self) -> None:
         self.in_update = True
+        self.fp8.clear()  # halves left by an update that never ended
 
     def end_weight_update(self) -> None:
         self.in_update = False
+        unpaired = self.fp8.unpaired()
+        self.fp8.clear()
+        if unpaired:
+            raise BadRequest(f"the update ended with FP8 weights or scales missing their other half: {unpaired[:5]} "
+                             "(each <name>.weight in float8_e4m3fn needs its <name>.weight_scale_inv)")
 
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version
@@ -378,11 +417,14 @@ class Engine:
             if problem:
                 receive_tensors(pg, torch_dtypes, shapes, flattened=flattened)  # so the sender never hangs
                 raise BadRequest(problem)
-            targets = [views[n] for n in names]
-            if flattened:
-                self.receive_scratch = receive_flat_bucket(pg, targets, torch_dtypes, shapes, self.receive_scratch)
+            if self.fp8.carries_fp8(names, torch_dtypes):  # dequantized on the way in
+                self._copy_in(list(zip(names, receive_tensors(pg, torch_dtypes, shapes, flattened=flattened))),
+                              views)
+            elif flattened:
+                self.receive_scratch = receive_flat_bucket(pg, [views[n] for n in names], torch_dtypes, shapes,
+                                                           self.receive_scratch)
             else:
-                receive_per_tensor(pg, targets, torch_dtypes, shapes)
+                receive_per_tensor(pg, [views[n] for n in names], torch_dtypes, shapes)
         if weight_version is not None:
             self.weight_version = weight_version
 
@@ -407,8 +449,11 @@ class Engine:
 
         if not self.in_update:
             raise BadRequest("update_weights_from_disk outside begin_weight_update/end_weight_update")
-        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        self.load_weights(list(fresh.state_dict().items()))
+        if fp8_block_size(json.loads((Path(model_path) / "config.json").read_text()).get("quantization_config")):
+            self.load_weights(checkpoint_tensors(model_path))
+        else:
+            fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+            self.load_weights(list(fresh.state_dict().items()))
         self.model_path = model_path
         if weight_version is not None:
             self.weight_version = weight_version
@@ -425,13 +470,26 @@ class Engine:
         problem = self._load_problem([n for n, _ in named], views, [t.shape for _, t in named])
         if problem:
             raise BadRequest(problem)
-        with self.model_lock, torch.no_grad():
-            for n, t in named:
-                views[n].copy_(t)
+        with self.model_lock:
+            self._copy_in(named, views)
+
+    @torch.no_grad()
+    def _copy_in(self, named: list[tuple[str, torch.Tensor]], views: dict | None = None) -> set[int]:
+        """Copy tensors into the model (FP8 weights dequantized once their scale is in too);
+        the storages written to."""
+        pairs = self.fp8.take(named)
+        views = dict(views or {})
+        earlier = [n for n, _ in pairs if n not in views]  # an FP8 weight whose other half came before
+        if earlier:
+            views.update(self._weight_views(earlier))
+        for n, t in pairs:
+            views[n].copy_(t)
+        return {views[n].untyped_storage().data_ptr() for n, _ in pairs}
 
     def _weight_views(self, names: list[str], keep_vars: bool = False) -> dict[str, torch.Tensor | None]:
+        """Each name's model tensor (a scale's: the weight it scales)."""
         state = self.model.state_dict(keep_vars=keep_vars)  # keep_vars: the parameters themselves
-        return {n: weight_view(state, n) for n in names}
+        return {n: weight_view(state, weight_name_of(n) or n) for n in names}
 
     def _load_problem(self, names: list[str], views: dict[str, torch.Tensor | None], shapes: list) -> str | None:
         """Why these tensors cannot be loaded (None: they can)."""
@@ -442,8 +500,11 @@ class Engine:
         if unknown:
             return f"unknown parameter names: {unknown[:5]}"
         for n, shape in zip(names, shapes):
-            if tuple(views[n].shape) != tuple(shape):
-                return f"{n}: shape {tuple(shape)}, the model has {tuple(views[n].shape)}"
+            want = tuple(views[n].shape)
+            if weight_name_of(n):
+                want = scale_shape(want, self.fp8.block)
+            if tuple(shape) != want:
+                return f"{n}: shape {tuple(shape)}, the model {'needs' if weight_name_of(n) else 'has'} {want}"
         return None
 
     def weight_checksums(self, names: list[str]) -> dict[str, float]:

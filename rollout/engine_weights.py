@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from rollout.weight_group import tensor_nbytes, unflatten_bucket
+from rollout.weight_group import tensor_nbytes, unflatten_bucket, wire_view
 
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -37,7 +37,7 @@ def receive_tensors(pg: torch.distributed.ProcessGroup, dtypes: list[torch.dtype
     tensors = []
     for shape, dtype in zip(shapes, dtypes):
         t = torch.empty(shape, dtype=dtype)
-        torch.distributed.broadcast(t, src=0, group=pg)
+        torch.distributed.broadcast(wire_view(t), src=0, group=pg)
         tensors.append(t)
     return tensors
 
@@ -75,6 +75,18 @@ def receive_flat_bucket(pg, targets: list[torch.Tensor], dtypes: list[torch.dtyp
     for target, view in zip(targets, unflatten_bucket(scratch[:nbytes], dtypes, shapes)):
         target.detach().copy_(view)
     return scratch
+
+
+def checkpoint_tensors(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of an HF model directory's safetensors files, as stored (FP8 ones too)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights")
+    return [pair for f in files for pair in load_file(str(f)).items()]
 
 
 def lands_in_place(target: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:

@@ -85,6 +85,15 @@ def unflatten_bucket(
     return out
 
 
+def wire_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a process group broadcasts it: float8 as its bytes (gloo has no
+    float8 type; NCCL moves the same bytes either way)."""
+    return tensor.view(torch.uint8) if tensor.dtype in _FLOAT8 else tensor
+
+
+_FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
 def tensor_nbytes(shape, dtype: torch.dtype) -> int:
     numel = 1
     for s in shape:

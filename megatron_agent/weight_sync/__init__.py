@@ -13,6 +13,8 @@ Every trainer rank calls `WeightSync.sync(version)` together:
    wire (buckets.py). With `transport: tensor` (colocated engines) there is no group:
    each bucket's tensors go to the engines as handles to this machine's shared or GPU
    memory (`/update_weights_from_tensor`, tensor_sync.py) while the next one is exported;
+   with `quantize: fp8` the attention and MLP weights go as block FP8 with their scales,
+   quantized as they are written into the bucket (fp8.py);
 3. rank 0 closes the update, bumps the weight version and resumes generation.
 
 A failure on any rank (an engine that died, a timeout) reaches every rank as a
@@ -50,6 +52,10 @@ class WeightSyncConfig:
     # placement.colocate, else broadcast (engine_fleet.weight_transport).
     transport: str | None = None
     check: bool = False  # compare a checksum of every tensor each engine loaded
+    # "fp8": attention and MLP / expert weights go to the engines as block FP8 (float8_e4m3fn
+    # + float32 weight_scale_inv per 128x128 block, SGLang's layout; weight_sync/fp8.py), and
+    # the engines start from an FP8 checkpoint of the model. None: the training dtype.
+    quantize: str | None = None
     timeout_s: float = 300.0
     auth_token: str | None = None
 
@@ -60,9 +66,12 @@ class WeightSync:
 
         from megatron_agent.models.bridge import is_export_source
         from megatron_agent.platform import control_group
+        from megatron_agent.weight_sync.fp8 import QUANTIZE_MODES
 
         self.actor = actor
         self.config = config or WeightSyncConfig()
+        if self.config.quantize not in (None, *QUANTIZE_MODES):
+            raise ValueError(f"quantize={self.config.quantize!r}; choose one of {QUANTIZE_MODES} or None")
         self.urls = list(engine_urls)
         self.rank = dist.get_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -171,6 +180,8 @@ class WeightSync:
     def _send_stage(self, version: str):
         """Every rank of this stage iterates the export; the source sends. After an error
         the source keeps draining the export so its TP/EP peers do not hang."""
+        from megatron_agent.weight_sync.fp8 import quantize_named
+        from rollout.fp8_blocks import dequantize_block_fp8
         from rollout.weight_group import weight_checksum
 
         errors: list[str] = []
@@ -183,9 +194,12 @@ class WeightSync:
         for name, tensor in self.actor.named_hf_weights():
             if not self.is_source or errors or pipeline.failed:
                 continue
-            pipeline.add(name, tensor)
-            if self.config.check:
-                checksums[name] = weight_checksum(tensor)
+            sent = quantize_named(name, tensor) if self.config.quantize == "fp8" else [(name, tensor)]
+            for sent_name, sent_tensor in sent:
+                pipeline.add(sent_name, sent_tensor)
+            if self.config.check:  # of what the engine holds: the dequantized weight in fp8 mode
+                checksums[name] = weight_checksum(tensor if len(sent) == 1 else dequantize_block_fp8(
+                    sent[0][1], sent[1][1], dtype=tensor.dtype))
         send_errors = pipeline.finish(send_pending=self.is_source and not errors)
         errors += [f"rank {self.rank}: {e}" for e in send_errors]
         return pipeline.sent_bytes, pipeline.buckets, checksums, errors
@@ -253,7 +267,7 @@ def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, t
     or one broadcast per tensor in list order). Call between begin/end_weight_update.
     Only one sender may announce at a time, or engines deadlock. `flat`: the bucket's
     bytes, already laid out; `named_tensors` then only describes them (meta tensors do)."""
-    from rollout.weight_group import dtype_name, flatten_bucket
+    from rollout.weight_group import dtype_name, flatten_bucket, wire_view
 
     names = [n for n, _ in named_tensors]
     tensors = [t.detach() if flat is not None else t.detach().contiguous() for _, t in named_tensors]
@@ -266,5 +280,5 @@ def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, t
         dist.broadcast(flat if flat is not None else flatten_bucket(tensors), src=0, group=pg)
     else:
         for t in tensors:
-            dist.broadcast(t, src=0, group=pg)
+            dist.broadcast(wire_view(t), src=0, group=pg)
     return pending.result(timeout=timeout_s)

@@ -74,7 +74,10 @@ class BucketPipeline:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor_bytes(tensor)
-        if self.pending and self.pending_bytes + nbytes > self.bucket_bytes:
+        # a tensor starts at a multiple of its element size in a flattened bucket (receivers
+        # view it in place; SGLang refuses it otherwise), e.g. a float32 scale after an odd-sized fp8 weight
+        misaligned = self.flattened and self.pending_bytes % tensor.element_size()
+        if self.pending and (self.pending_bytes + nbytes > self.bucket_bytes or misaligned):
             self.flush()
         self.pending.append((name, tensor))
         self.pending_bytes += nbytes

@@ -1,0 +1,42 @@
+"""The CPU main job with FP8 rollout weights (`weight_sync.quantize=fp8`): the engines start
+from the block-FP8 checkpoint, every sync sends FP8, TIS is on by default, and every
+iteration reports the rollout-vs-trainer logprob gap over the whole batch, within the
+fp8 bound of the served-vs-trained check."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_agent.platform.launch import run_on_ranks
+
+pytestmark = pytest.mark.multirank  # a spawned trainer rank plus an engine process
+
+
+def _fp8_iterations(model_dir: str, run_dir: str) -> list[dict]:
+    from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
+
+    config = load_run_config([f"run_dir={run_dir}", f"model_dir={model_dir}", "num_groups=2", "group_size=2",
+                              "iterations=2", "loop.max_steps=3", "stop_success=null", "weight_sync.quantize=fp8"])
+    return train(config)
+
+
+def test_fp8_rollout_job_reports_the_gap_each_iteration(tiny_model_dir, tmp_path):
+    from megatron_agent.training.checks import QUANTIZED_MEAN_BOUND
+
+    model_dir = tiny_model_dir("qwen3")
+    history = run_on_ranks(_fp8_iterations, 1, str(model_dir), str(tmp_path), timeout_s=300)[0]
+    assert [row["iteration"] for row in history] == [0, 1]
+    resolved = json.loads((tmp_path / "config.json").read_text())
+    assert resolved["algorithm"]["tis_cap"] == 2.0 and resolved["weight_sync"]["quantize"] == "fp8"
+    engine_config = json.loads((tmp_path / "engine_model_fp8" / "config.json").read_text())
+    assert engine_config["quantization_config"]["weight_block_size"] == [128, 128]
+    for row in history:
+        # FP8 shows (fp32 on both sides agrees to ~1e-6) and stays within the check's bound
+        assert 1e-5 < row["fp8/rollout_logprob_mean_abs_diff"] < QUANTIZED_MEAN_BOUND["fp8"], row
+        assert row["fp8/rollout_logprob_max_abs_diff"] >= row["fp8/rollout_logprob_mean_abs_diff"]
+        assert "actor/tis_weight_mean" in row
+        assert 0 < row["weight_sync/bytes"] < os.path.getsize(model_dir / "model.safetensors")  # 1 byte a weight
