@@ -29,11 +29,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The ALFWorld extra, for the tests (and users who train on it): not for `make train`,
-# since without the wheels two of its dependencies compile for minutes.
-ALFWORLD_STAMP := $(VENV)/.installed-alfworld
-$(ALFWORLD_STAMP): $(STAMP)
-	$(PY) -m pip install -q $(FIND_LINKS) -e ".[alfworld]"
-	touch $(ALFWORLD_STAMP)
+# since without the wheels two of its dependencies compile for minutes. The tests of
+# `--quantize` need the quantize extra (nvidia-modelopt) too.
+TEST_EXTRAS_STAMP := $(VENV)/.installed-test-extras
+$(TEST_EXTRAS_STAMP): $(STAMP)
+	$(PY) -m pip install -q $(FIND_LINKS) -e ".[alfworld,quantize]"
+	touch $(TEST_EXTRAS_STAMP)
 
 # torch first (the CPU build), then sglang without its CUDA dependencies, then its light
 # dependencies pinned, with torch held at the CPU build (sglang's declared CUDA-only
@@ -59,12 +60,12 @@ $(APPWORLD_STAMP):
 train: $(STAMP)
 	$(VENV)/bin/megatron-agent train $(ARGS)
 
-test: $(ALFWORLD_STAMP) $(SGLANG_STAMP) $(APPWORLD_STAMP)
+test: $(TEST_EXTRAS_STAMP) $(SGLANG_STAMP) $(APPWORLD_STAMP)
 	MEGATRON_AGENT_SGLANG_PYTHON=$${MEGATRON_AGENT_SGLANG_PYTHON:-$(abspath $(VENV_SGLANG))/bin/python} \
 	MEGATRON_AGENT_APPWORLD_PYTHON=$${MEGATRON_AGENT_APPWORLD_PYTHON:-$(abspath $(VENV_APPWORLD))/bin/python} \
 		$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
 
-test-fast: $(ALFWORLD_STAMP)
+test-fast: $(TEST_EXTRAS_STAMP)
 	$(PY) -m pytest -n 2 -m "not slow and not multirank" $(ARGS)
 
 bench: $(STAMP)
