@@ -35,6 +35,7 @@ from megatron_agent.models.families.common import (
     ROWS,
     VOCAB,
 )
+from megatron_agent.models.safetensors_io import TensorEntry, read_header, read_tensor
 from megatron_agent.models.transformer_config import num_experts, padded_vocab_size, read_hf_config
 
 
@@ -65,23 +66,27 @@ class Dims:
 # --- HF tensors <-> one full Megatron tensor ------------------------------------------
 
 
-def fuse(kind: str, tensors: list[torch.Tensor], dims: Dims) -> torch.Tensor:
+def fused_rows(kind: str, tensors: list[torch.Tensor], dims: Dims) -> list[torch.Tensor]:
+    """The full Megatron tensor as consecutive blocks of rows (views of the HF tensors):
+    concatenated along dim 0 they are `fuse(...)`."""
     if kind == IDENTITY:
-        return tensors[0]
+        return [tensors[0]]
     if kind == QKV:
-        q, k, v = tensors
         groups = dims.num_kv_heads
-        rest = q.shape[1:]
-        return torch.cat(
-            [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1
-        ).reshape(-1, *rest)
+        per_group = [t.reshape(groups, -1, *t.shape[1:]) for t in tensors]
+        return [t[g] for g in range(groups) for t in per_group]
     if kind == GATE_UP:
-        return torch.cat(tensors, dim=0)
+        return list(tensors)
     if kind == VOCAB:
         (t,) = tensors
         pad = dims.padded_vocab - t.shape[0]
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+        return [t, t.new_zeros(pad, *t.shape[1:])] if pad else [t]
     raise ValueError(f"unknown fuse kind {kind!r}")
+
+
+def fuse(kind: str, tensors: list[torch.Tensor], dims: Dims) -> torch.Tensor:
+    rows = fused_rows(kind, tensors, dims)
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def unfuse(kind: str, full: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
@@ -204,40 +209,74 @@ def _tp_group(is_expert: bool):
 
 
 class SafetensorsCheckpoint:
-    """Tensors of an HF checkpoint by name, read one at a time (single file or sharded)."""
+    """Tensors of an HF checkpoint by name (single file or sharded), each read on demand
+    by byte offset (no memory map stays open)."""
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
+        self._entries: dict[str, TensorEntry] = {}
+        self._headers_read: set[str] = set()
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             self.file_of = json.loads(index.read_text())["weight_map"]
             self.source = index
         elif (self.dir / "model.safetensors").is_file():
-            from safetensors import safe_open
-
             single = self.dir / "model.safetensors"
-            with safe_open(single, "pt") as f:
-                self.file_of = {k: single.name for k in f.keys()}
+            self._entries = read_header(single)
+            self._headers_read.add(single.name)
+            self.file_of = {k: single.name for k in self._entries}
             self.source = single
         else:
             raise WeightMappingError(f"no model.safetensors or model.safetensors.index.json in {self.dir}")
         for file in sorted(set(self.file_of.values())):
             if not (self.dir / file).is_file():
                 raise WeightMappingError(f"{self.source} lists shard {file}, which is missing from {self.dir}")
-        self._open: dict[str, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
-    def get(self, name: str, wanted_by: str) -> torch.Tensor:
-        from safetensors import safe_open
-
+    def entry(self, name: str, wanted_by: str) -> TensorEntry:
         if name not in self.file_of:
             raise WeightMappingError(f"{self.source} has no tensor {name!r} (needed for Megatron {wanted_by!r})")
         file = self.file_of[name]
-        if file not in self._open:
-            self._open[file] = safe_open(self.dir / file, "pt")
-        return self._open[file].get_tensor(name)
+        if file not in self._headers_read:
+            self._entries.update(read_header(self.dir / file))
+            self._headers_read.add(file)
+        if name not in self._entries:
+            raise WeightMappingError(f"{self.source} puts {name!r} in {file}, which has no such tensor")
+        return self._entries[name]
+
+    def get(self, name: str, wanted_by: str) -> torch.Tensor:
+        return read_tensor(self.entry(name, wanted_by))
+
+    def meta(self, name: str, wanted_by: str) -> torch.Tensor:
+        """A tensor with the stored shape and dtype and no data (to check shapes first)."""
+        entry = self.entry(name, wanted_by)
+        return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+
+
+def full_from_hf(m: ParamMapping, megatron_name: str, tensors: list[torch.Tensor], dims: Dims, source,
+                 expert: int | None = None) -> torch.Tensor:
+    """The full (unsharded) Megatron tensor made of its HF tensors (real or meta)."""
+    try:
+        return fuse(m.rule.fuse, tensors, dims)
+    except RuntimeError as err:
+        shapes = {n: tuple(t.shape) for n, t in zip(m.hf_names(expert), tensors)}
+        raise WeightMappingError(f"cannot build Megatron {megatron_name!r} from {shapes} in {source}: {err}") from None
+
+
+def shape_mismatch(m: ParamMapping, megatron_name: str, expected: tuple, tensors: list[torch.Tensor], source,
+                   expert: int | None = None) -> WeightMappingError:
+    shapes = {n: tuple(t.shape) for n, t in zip(m.hf_names(expert), tensors)}
+    return WeightMappingError(
+        f"shape mismatch for Megatron {megatron_name!r}: expected {tuple(expected)} on this rank, "
+        f"{source} gives {shapes} (does config.json match the weights?)"
+    )
+
+
+def hf_from_full(m: ParamMapping, full: torch.Tensor, dims: Dims, expert: int | None = None):
+    """(HF name, tensor) pairs a full Megatron tensor splits into."""
+    return list(zip(m.hf_names(expert), unfuse(m.rule.fuse, full, dims)))
 
 
 def load_hf_weights(chunks: list, hf_dir: str | Path, *, progress: bool = False, skip=None) -> int:
@@ -266,20 +305,13 @@ def load_hf_weights(chunks: list, hf_dir: str | Path, *, progress: bool = False,
         expert = ep_rank * experts_per_rank + m.local_expert if m.is_expert else None
         hf_tensors = [ckpt.get(n, name) for n in m.hf_names(expert)]
         rank, size = _parallel_ranks(m.is_expert)
+        full = full_from_hf(m, name, hf_tensors, dims, ckpt.source, expert)
         try:
-            full = fuse(m.rule.fuse, hf_tensors, dims)
             local = shard(m.rule.split, full, rank, size)
-        except RuntimeError as err:
-            shapes = {n: tuple(t.shape) for n, t in zip(m.hf_names(expert), hf_tensors)}
-            raise WeightMappingError(
-                f"cannot build Megatron {name!r} from {shapes} in {ckpt.source}: {err}"
-            ) from None
+        except RuntimeError:
+            raise shape_mismatch(m, name, param.shape, hf_tensors, ckpt.source, expert) from None
         if local.shape != param.shape:
-            shapes = {n: tuple(t.shape) for n, t in zip(m.hf_names(expert), hf_tensors)}
-            raise WeightMappingError(
-                f"shape mismatch for Megatron {name!r}: expected {tuple(param.shape)} on this rank, "
-                f"{ckpt.source} gives {shapes} (does config.json match the weights?)"
-            )
+            raise shape_mismatch(m, name, param.shape, hf_tensors, ckpt.source, expert)
         with torch.no_grad():
             param.copy_(local)
     return len(params)
@@ -331,6 +363,6 @@ def export_hf_weights(chunks: list, hf: dict) -> Iterator[tuple[str, torch.Tenso
                 for ep_rank, full in enumerate(_all_gather(local, ps.get_expert_model_parallel_group())):
                     if source:
                         expert = ep_rank * experts_per_rank + m.local_expert
-                        yield from zip(m.hf_names(expert), unfuse(m.rule.fuse, full, dims))
+                        yield from hf_from_full(m, full, dims, expert)
             elif source:
-                yield from zip(m.hf_names(), unfuse(m.rule.fuse, local, dims))
+                yield from hf_from_full(m, local, dims)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -62,6 +63,7 @@ def build_model(
     fp8_recipe: str | None = None,
     training: bool = True,
     init_weights: bool = True,
+    meta: bool = False,
 ) -> list:
     """One GPTModel chunk per virtual pipeline stage of this rank (one without VPP).
 
@@ -69,6 +71,8 @@ def build_model(
     are randomly initialised; the bridge loads real ones. `training=False` admits
     layouts that only inference supports (MoE with tp > 1 and no sequence parallelism).
     `init_weights=False` skips the random initialisation when weights are loaded next.
+    `meta=True` puts the parameters on the meta device: shapes, names and the sharded
+    state dict without memory (what a checkpoint converter lays files out from).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -85,7 +89,8 @@ def build_model(
         raise RuntimeError(f"fp8_recipe={fp8_recipe!r} needs the Transformer Engine layer spec")
     config = transformer_config_from_hf(
         hf, parallel, params_dtype=params_dtype, fp8_recipe=fp8_recipe,
-        moe_grouped_gemm=spec_name == "transformer_engine", training=training, init_weights=init_weights,
+        moe_grouped_gemm=spec_name == "transformer_engine", training=training,
+        init_weights=init_weights and not meta, use_cpu_initialization=True if meta else None,
     )
     spec = layer_spec_for(hf, spec_name)
     log.info(
@@ -97,19 +102,20 @@ def build_model(
     chunks = []
     for vp_stage in range(parallel.vpp or 1):
         vp = vp_stage if parallel.vpp else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            vp_stage=vp,
-            **kwargs,
-        )
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                vp_stage=vp,
+                **kwargs,
+            )
         if not init_weights:
             mark_tensor_parallel_weights(model)
         if model.post_process:
             mask_padded_vocab(model, hf["vocab_size"])
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not meta:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks

@@ -27,6 +27,14 @@ HF_SIDE_FILES = (
     "added_tokens.json", "preprocessor_config.json",
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def hf_config_dtype(hf: dict) -> str | None:
+    """The dtype an HF config.json declares (`torch_dtype`, or `dtype` in newer
+    transformers) as a DTYPES name; None when it declares none we know."""
+    declared = hf.get("torch_dtype") or hf.get("dtype")
+    return DTYPE_NAMES.get(getattr(torch, declared, None)) if isinstance(declared, str) else None
 
 
 @contextmanager

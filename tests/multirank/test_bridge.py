@@ -3,7 +3,8 @@
 One 2-rank job: for every family and layout, load the HF weights into the sharded
 Megatron model, export them back (must be bit-identical to the safetensors file),
 compare the logits to transformers', save a dist checkpoint at TP=2 and load it at
-TP=1 and PP=2 (same logits).
+TP=1 and PP=2 (same logits); megatron-agent-convert mcore-to-hf exports that checkpoint
+bit-identically.
 """
 
 from __future__ import annotations
@@ -85,9 +86,14 @@ def _worker(model_dirs: dict, ckpt_root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def bridge_results(tiny_model_dir, tmp_path_factory):
+def ckpt_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def bridge_results(tiny_model_dir, ckpt_root):
     dirs = {f: str(tiny_model_dir(f)) for f in FAMILIES}
-    return dirs, run_on_ranks(_worker, 2, dirs, str(tmp_path_factory.mktemp("ckpt")), timeout_s=600)
+    return dirs, run_on_ranks(_worker, 2, dirs, str(ckpt_root), timeout_s=600)
 
 
 def _layouts(family):
@@ -119,3 +125,33 @@ def test_logits_match_transformers(bridge_results, family):
         diffs = [r[family][name]["logit_diff"] for r in per_rank if r[family][name]["logit_diff"] is not None]
         assert diffs, f"no rank produced logits for {family} {name}"
         assert max(diffs) < 1e-4, (family, name, diffs)
+
+
+EXPORT = """
+from tools.checkpoint_convert.convert import mcore_to_hf
+if __name__ == "__main__":
+    for family, model_dir in {dirs!r}.items():
+        mcore_to_hf({root!r} + "/" + family, {out!r} + "/" + family, hf_config_dir=model_dir)
+"""
+
+
+def test_mcore_to_hf_exports_a_checkpoint_saved_at_tp2(bridge_results, ckpt_root, tmp_path):
+    """The converter reads a checkpoint whose chunks are TP shards (as the trainer writes
+    them), not its own layer-sized ones."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    dirs, _ = bridge_results
+    for family in FAMILIES:
+        (ckpt_root / family / "megatron_agent.json").write_text(json.dumps({"family": family, "dtype": "fp32"}))
+    code = EXPORT.format(dirs=dirs, root=str(ckpt_root), out=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for family in FAMILIES:
+        original = load_file(f"{dirs[family]}/model.safetensors")
+        exported = load_file(tmp_path / family / "model.safetensors")
+        assert exported.keys() == original.keys(), family
+        assert all(torch.equal(exported[k], original[k]) for k in original), family

@@ -1,8 +1,13 @@
 """megatron-agent-convert: HF <-> Megatron checkpoints (a thin CLI over convert.py).
 
-    megatron-agent-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --etp N] [--dtype bf16|fp32]
+    megatron-agent-convert hf-to-mcore --hf DIR --out DIR [--dtype bf16|fp32|fp16] [--tp N --pp N --ep N --etp N]
     megatron-agent-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...]
+                                       [--quantize fp8|nvfp4 [--calib FILE]]
     megatron-agent-convert verify --hf DIR --mcore DIR [--tp N --pp N --ep N] [--tolerance X]
+
+The dtype defaults to the source checkpoint's own; a conversion that changes it says so.
+hf-to-mcore's checkpoint loads at any layout: the layout flags only check that the model
+divides at the layout it will be loaded at.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint (torch_dist)")
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
+                   help="default: the checkpoint's (config.json torch_dtype)")
     _layout_args(p)
 
     p = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors + config + tokenizer")
@@ -51,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-config", default=None, help="where config/tokenizer come from (default: MCORE/hf)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="default: the checkpoint's")
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--quantize", default=None, choices=["fp8", "nvfp4"],
+                   help="write a ModelOpt-quantized checkpoint (the [quantize] extra; docs/models.md)")
+    p.add_argument("--calib", default=None, metavar="FILE",
+                   help="calibration texts for --quantize: one per line, or .jsonl with a \"text\" field "
+                        "(default: a small shipped set)")
 
     p = sub.add_parser("verify", help="compare HF and Megatron logits on the same tokens")
     p.add_argument("--hf", required=True)
@@ -69,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "hf-to-mcore":
             convert.hf_to_mcore(args.hf, args.out, _parallel(args), dtype=args.dtype)
+            print(f"wrote {args.out}")
+        elif args.command == "mcore-to-hf" and args.quantize:
+            from tools.checkpoint_convert import quantize
+
+            quantize.mcore_to_quantized_hf(args.mcore, args.out, args.quantize, calib=args.calib,
+                                           hf_config_dir=args.hf_config, dtype=args.dtype,
+                                           max_shard_bytes=_size(args.max_shard_size))
             print(f"wrote {args.out}")
         elif args.command == "mcore-to-hf":
             convert.mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, dtype=args.dtype,

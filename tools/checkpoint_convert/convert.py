@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from megatron_agent.models.checkpoint import (
+    DTYPE_NAMES,
     DTYPES,
     atomic_directory,
     copy_hf_side_files,
+    hf_config_dtype,
     load_mcore_checkpoint,
-    model_state,
     read_mcore_metadata,
-    write_safetensors_shards,
 )
 from megatron_agent.models.families import family_of
 from megatron_agent.models.transformer_config import read_hf_config, validate_layout_for_model
@@ -49,51 +49,114 @@ def _under_ranks(fn, world_size: int, *args):
     return run_on_ranks(fn, world_size, *args, timeout_s=24 * 3600)
 
 
+def target_dtype(source: str, requested: str | None) -> str:
+    """The dtype a conversion writes: the checkpoint's own unless asked otherwise; a
+    change is said in one line."""
+    if requested is not None and requested not in DTYPES:
+        raise ValueError(f"dtype={requested!r}; choose one of {sorted(DTYPES)}")
+    target = requested or source
+    if target != source:
+        print(f"converting {source} -> {target} (--dtype {target})", flush=True)
+    return target
+
+
+def _stored_dtype(ckpt) -> str:
+    floating = (ckpt.entry(n, "the checkpoint's dtype").dtype for n in sorted(ckpt.file_of))
+    dtype = next((d for d in floating if d.is_floating_point), torch.float32)
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"{ckpt.source} stores {dtype}; choose --dtype from {sorted(DTYPES)}")
+    return DTYPE_NAMES[dtype]
+
+
+def _checkpoint_layout(hf: dict, dtype: torch.dtype):
+    """The dist checkpoint's tensors for this model (built on the meta device at
+    TP=PP=EP=1), each with its bridge rule."""
+    from megatron_agent.models.bridge import Bridge
+    from megatron_agent.models.builder import build_model
+    from megatron_agent.models.checkpoint_stream import checkpoint_layout
+    from megatron_agent.platform import init_distributed, shutdown_distributed
+
+    if torch.distributed.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("a conversion runs in one process of its own, not under torchrun or beside an "
+                           "initialised torch.distributed")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    init_distributed(ParallelConfig())
+    try:
+        (model,) = build_model(hf, ParallelConfig(), params_dtype=dtype, training=False, init_weights=False, meta=True)
+        layout = checkpoint_layout(model)
+        bridge = Bridge(hf)
+        return layout, {p.name: bridge.mapping(model, p.name) for p in layout.params}
+    finally:
+        shutdown_distributed()
+
+
 # --- HF -> Megatron ---------------------------------------------------------------------
 
 
-def _hf_to_mcore_rank(hf_dir: str, tmp_dir: str, layout: dict, dtype_name: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
+def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfig | None = None,
+                dtype: str | None = None) -> Path:
+    """Convert an HF checkpoint to a Megatron dist checkpoint (torch_dist), one parameter
+    at a time in one process.
 
-    from megatron_agent.models.bridge import load_hf_weights
-    from megatron_agent.models.builder import build_model
-    from megatron_agent.platform import ParallelConfig, init_distributed
+    Megatron loads the result at any TP/PP/VPP/EP/ETP; `parallel`, when given, is checked
+    against the model (the layout it will be loaded at). `dtype` (fp32, bf16, fp16)
+    defaults to the checkpoint's own (config.json, else its tensors').
+    """
+    from tqdm import tqdm
 
-    ctx = init_distributed(ParallelConfig(**layout))
-    chunks = build_model(hf_dir, ctx.parallel, params_dtype=DTYPES[dtype_name], training=False, init_weights=False)
-    load_hf_weights(chunks, hf_dir, progress=ctx.rank == 0)
-    dist_checkpointing.save(model_state(chunks), tmp_dir)
-    dist.barrier()
-
-
-def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfig, dtype: str = "bf16") -> Path:
-    """Convert an HF checkpoint to a Megatron dist checkpoint written at `parallel`."""
-    from megatron_agent.models.bridge import SafetensorsCheckpoint
+    from megatron_agent.models.bridge import (
+        Dims,
+        SafetensorsCheckpoint,
+        full_from_hf,
+        fused_rows,
+        shape_mismatch,
+    )
+    from megatron_agent.models.checkpoint_stream import write_checkpoint
 
     hf_dir = Path(hf_dir)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}; choose one of {sorted(DTYPES)}")
     hf = read_hf_config(hf_dir)
-    family = family_of(hf)  # an unsupported family fails here, before any process starts
+    family = family_of(hf)  # an unsupported family fails here, before anything is written
     family.rules(hf)
-    world = world_size_for(parallel)
-    parallel.validate(world)
-    validate_layout_for_model(hf, parallel, training=False)
-    SafetensorsCheckpoint(hf_dir)  # a missing index or shard fails here too
-    layout = {k: v for k, v in vars(parallel).items() if k != "sequence_parallel"}
+    if parallel is not None:
+        parallel.validate(world_size_for(parallel))
+        validate_layout_for_model(hf, parallel, training=False)
+    ckpt = SafetensorsCheckpoint(hf_dir)  # a missing index or shard fails here too
+    dtype = target_dtype(hf_config_dtype(hf) or _stored_dtype(ckpt), dtype)
+    layout, mappings = _checkpoint_layout(hf, DTYPES[dtype])
+    dims = Dims.from_hf(hf, 1)
+
+    def hf_tensors(name: str, read) -> list[torch.Tensor]:
+        return [read(n, name) for n in mappings[name].hf_names(mappings[name].local_expert)]
+
+    for param in layout.params:  # every tensor present, every shape right, before writing
+        m, metas = mappings[param.name], hf_tensors(param.name, ckpt.meta)
+        if tuple(full_from_hf(m, param.name, metas, dims, ckpt.source, m.local_expert).shape) != param.shape:
+            raise shape_mismatch(m, param.name, param.shape, metas, ckpt.source, m.local_expert)
+
+    progress = tqdm(total=len(layout.params), desc="hf -> mcore", unit="param")
+
+    def param_rows(param) -> list[torch.Tensor]:
+        rows = fused_rows(mappings[param.name].rule.fuse, hf_tensors(param.name, ckpt.get), dims)
+        progress.update()
+        return [block.to(param.dtype) for block in rows]
+
     with atomic_directory(out_dir) as tmp:
-        _under_ranks(_hf_to_mcore_rank, world, str(hf_dir), str(tmp), layout, dtype)
+        write_checkpoint(tmp, layout, param_rows)
+        progress.close()
         copy_hf_side_files(hf_dir, tmp / "hf")
         (tmp / "megatron_agent.json").write_text(json.dumps({
             "format": "megatron-agent mcore checkpoint",
             "family": family.name,
             "dtype": dtype,
-            "saved_at_layout": layout,
+            "saved_at_layout": _layout_dict(ParallelConfig()),
             "megatron_core": _version("megatron-core"),
         }, indent=2))
-    log.info("wrote %s (%s, %s at %s)", out_dir, family.name, dtype, layout)
+    log.info("wrote %s (%s, %s)", out_dir, family.name, dtype)
     return Path(out_dir)
+
+
+def _layout_dict(parallel: ParallelConfig) -> dict:
+    return {k: v for k, v in vars(parallel).items() if k != "sequence_parallel"}
 
 
 def _version(dist_name: str) -> str:
@@ -113,39 +176,41 @@ def mcore_to_hf(
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
-    """Convert a Megatron dist checkpoint to an HF directory (safetensors + config + tokenizer).
+    """Convert a Megatron dist checkpoint (written at any layout) to an HF directory:
+    safetensors shards of at most `max_shard_bytes`, config and tokenizer.
 
-    Loads the checkpoint at TP=PP=EP=1 in this process (dist_checkpointing reshards) and
-    streams the bridge's export into shards of at most `max_shard_bytes`.
+    Reads one parameter at a time, splits it with the bridge's rules and appends its HF
+    tensors to shards laid out beforehand. `dtype` defaults to the checkpoint's own.
     """
     from tqdm import tqdm
 
-    from megatron_agent.models.bridge import export_hf_weights
-    from megatron_agent.models.builder import build_model
-    from megatron_agent.platform import ParallelConfig, init_distributed, shutdown_distributed
+    from megatron_agent.models.bridge import Dims, hf_from_full
+    from megatron_agent.models.checkpoint_stream import read_params
+    from megatron_agent.models.safetensors_io import TensorSpec, write_streamed_shards
 
     mcore_dir = Path(mcore_dir)
     meta = read_mcore_metadata(mcore_dir)
     side = Path(hf_config_dir) if hf_config_dir else mcore_dir / "hf"
     hf = read_hf_config(side)
     family_of(hf)
-    out_dtype = DTYPES[dtype or meta["dtype"]]
-    os.environ.setdefault("WORLD_SIZE", "1")
-    ctx = init_distributed(ParallelConfig())
-    try:
-        chunks = build_model(hf, ctx.parallel, params_dtype=DTYPES[meta["dtype"]], training=False, init_weights=False)
-        load_mcore_checkpoint(chunks, mcore_dir)
-        with atomic_directory(out_dir) as tmp:
-            tensors = ((n, t.to(out_dtype)) for n, t in export_hf_weights(chunks, hf))
-            count = sum(1 for _ in chunks[0].parameters())
-            written = write_safetensors_shards(tqdm(tensors, desc="writing HF shards", total=count, unit="param"),
-                                               tmp, max_shard_bytes)
-            copy_hf_side_files(side, tmp)
-            config = json.loads((tmp / "config.json").read_text())
-            config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(out_dtype).removeprefix("torch.")
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    finally:
-        shutdown_distributed()
+    out_dtype = DTYPES[target_dtype(meta["dtype"], dtype)]
+    layout, mappings = _checkpoint_layout(hf, DTYPES[meta["dtype"]])
+    dims = Dims.from_hf(hf, 1)
+    exported = [p for p in layout.params if mappings[p.name].rule.export]
+
+    def hf_tensors(param, full):
+        return hf_from_full(mappings[param.name], full, dims, mappings[param.name].local_expert)
+
+    specs = [TensorSpec(n, tuple(t.shape), out_dtype) for p in exported
+             for n, t in hf_tensors(p, torch.empty(p.shape, device="meta"))]
+    params = tqdm(read_params(mcore_dir, exported), desc="mcore -> hf", total=len(exported), unit="param")
+    tensors = ((n, t.to(out_dtype)) for p, full in params for n, t in hf_tensors(p, full))
+    with atomic_directory(out_dir) as tmp:
+        written = write_streamed_shards(specs, tensors, tmp, max_shard_bytes)
+        copy_hf_side_files(side, tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(out_dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
     log.info("wrote %s: %d shard(s), %.1f MB", out_dir, written["shards"], written["total_size"] / 1e6)
     return Path(out_dir)
 
@@ -187,6 +252,6 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, parallel: ParallelConfig, 
     world = world_size_for(parallel)
     parallel.validate(world)
     validate_layout_for_model(hf, parallel, training=False)
-    layout = {k: v for k, v in vars(parallel).items() if k != "sequence_parallel"}
+    layout = _layout_dict(parallel)
     results = _under_ranks(_verify_rank, world, str(hf_dir), str(mcore_dir), layout, seq_len, seed)
     return next(r for r in results if r is not None)
