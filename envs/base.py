@@ -28,10 +28,14 @@ def validation_seed(i: int) -> int:
 @dataclass
 class Observation:
     text: str
-    # HxWx3 uint8 RGB for VLM tasks; None for text-only observations.
+    # HxWx3 uint8 RGB for VLM tasks; None for text-only observations. A plain array:
+    # it pickles as one raw buffer through the worker pipes, and GiGPO keys an array
+    # anchor exactly on (dtype, shape, bytes).
     image: np.ndarray | None = None
     # The raw state with no history or prompt: what GiGPO groups identical states on.
-    # A str or a tuple for every built-in env, so it is hashable as is.
+    # The text for every built-in env whose text is the whole state (Sokoban and Gym
+    # Cards frames are a one-to-one function of it); the image itself where only the
+    # image holds the state (visual_quiz).
     anchor: Any = None
 
 

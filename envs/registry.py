@@ -33,6 +33,7 @@ _BUILTIN_MODULES = {
     "appworld": "envs.appworld",
     "webshop": "envs.webshop",
     "alfworld": "envs.alfworld",
+    "visual_quiz": "envs.visual_quiz",
 }
 
 

@@ -65,7 +65,8 @@ class SokobanConfig:
     # Reverse-play moves tried per room; more moves give rooms that need more pushes.
     reverse_steps: int = 100
     render_image: bool = False
-    tile_px: int = 8
+    # Pixels per cell: 16 gives 96x96 for the 6x6 room, gym-sokoban's sprite size.
+    tile_px: int = 16
     require_think: bool = True
 
 
@@ -161,18 +162,27 @@ def room_text(room: Room) -> str:
 
 @lru_cache(maxsize=8)
 def _tiles(px: int) -> np.ndarray:
-    """(7, px, px, 3) uint8 tile per display code."""
+    """(7, px, px, 3) uint8 sprite per display code: brick wall, sand floor, red target
+    ring, wooden box (a frame and a cross; green once on a target), blue player (with
+    the target's red centre when standing on one)."""
     yy, xx = np.mgrid[0:px, 0:px]
     centre = (px - 1) / 2
     dist = np.hypot(yy - centre, xx - centre)
-    inset = (yy >= px // 6) & (yy < px - px // 6) & (xx >= px // 6) & (xx < px - px // 6)
+    lo, hi = px // 8, px - 1 - px // 8
+    inset = (yy >= lo) & (yy <= hi) & (xx >= lo) & (xx <= hi)
+    line = max(1, px // 8)
+    frame = inset & ((yy < lo + line) | (yy > hi - line) | (xx < lo + line) | (xx > hi - line))
+    cross = inset & ((np.abs(yy - xx) < line) | (np.abs(yy + xx - (px - 1)) < line))
+    half = max(px // 2, 1)
+    mortar = (yy % half == 0) | ((xx + (yy // half) * (half // 2)) % px == 0)
     tiles = np.zeros((7, px, px, 3), dtype=np.uint8)
-    floor = np.array([214, 200, 170], np.uint8)
-    tiles[0] = (90, 70, 60)
-    tiles[1:] = floor
-    tiles[2][dist <= px / 4] = (200, 40, 40)
-    tiles[3][inset] = (170, 110, 30)
-    tiles[4][inset] = (60, 170, 60)
+    tiles[0] = (150, 75, 55)
+    tiles[0][mortar] = (95, 85, 80)
+    tiles[1:] = (214, 200, 170)
+    tiles[2][(dist <= px / 2.8) & (dist >= px / 6)] = (200, 40, 40)
+    for code, wood, edge in ((3, (190, 125, 45), (110, 65, 20)), (4, (70, 180, 70), (25, 100, 35))):
+        tiles[code][inset] = wood
+        tiles[code][frame | cross] = edge
     tiles[5][dist <= px / 2.6] = (40, 70, 200)
     tiles[6][dist <= px / 2.6] = (40, 70, 200)
     tiles[6][dist <= px / 6] = (200, 40, 40)
@@ -182,7 +192,9 @@ def _tiles(px: int) -> np.ndarray:
 def room_image(room: Room, tile_px: int = 8) -> np.ndarray:
     codes = room_codes(room)
     h, w = codes.shape
-    return _tiles(tile_px)[codes].transpose(0, 2, 1, 3, 4).reshape(h * tile_px, w * tile_px, 3)
+    image = _tiles(tile_px)[codes].transpose(0, 2, 1, 3, 4).reshape(h * tile_px, w * tile_px, 3)
+    image.flags.writeable = False  # shared by the observation, the prompts and the samples
+    return image
 
 
 def push(room: Room, action: str) -> tuple[Room, float, bool]:

@@ -104,7 +104,8 @@ def run_rollout(
         raise ValueError(f"{len(seeds)} seeds for {sum(e.num_groups for e in slots_envs)} groups")
     settings = RolloutSettings(
         tokenizer, config.prompt, sampling or config.sampling, rollout_index, config.max_steps,
-        make_memory or memory_factory(config.prompt.memory, config.prompt.history_length))
+        make_memory or memory_factory(config.prompt.memory, config.prompt.history_length,
+                                      config.prompt.max_images))
     slots, offset = [], 0
     for e in slots_envs:
         slots.append(Slot(e, seeds[offset:offset + e.num_groups], first_group + offset, settings))

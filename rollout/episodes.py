@@ -112,8 +112,9 @@ class Slot:
     def prompt(self, i: int) -> Prompt:
         s = self.settings
         with s.tokenizer_lock:
-            return build_prompt(s.tokenizer, self.envs.instructions, self.observations[i].text, self.memories[i],
-                                int(self.steps[i]), s.prompt)
+            obs = self.observations[i]
+            return build_prompt(s.tokenizer, self.envs.instructions, obs.text, self.memories[i],
+                                int(self.steps[i]), s.prompt, image=obs.image)
 
     def request(self, i: int, prompt: Prompt) -> Request:
         s, step = self.settings, int(self.steps[i])
@@ -151,9 +152,11 @@ class Slot:
             truncated_history=prompt.truncated_history, history_entries=prompt.history_entries,
             finish_reason=output.finish_reason, response_text=text, weight_version=output.weight_version,
             info={k: v for k, v in info.items() if k in ("failed", "error", "truncated", "action")},
+            images=list(prompt.images), image_entries=list(prompt.image_entries), observation=obs.text,
         )
         self.trajectories[i].append(sample)
-        self.memories[i].store(StepRecord(step, obs.text, text, float(reward), sample.is_action_valid))
+        self.memories[i].store(StepRecord(step, obs.text, text, float(reward), sample.is_action_valid,
+                                                 obs.image))
         if info.get("failed"):
             self.failed[i] = True
         self.observations[i] = new_obs

@@ -6,14 +6,21 @@ A memory is anything with `store(step)` and `render(budget)`:
   oldest first, at most `budget` of them (None: all it keeps). The prompt builder lowers
   the budget to drop the oldest entries first when a prompt is over its token budget.
 One memory object per trajectory; the loop makes them with a `memory_factory()`.
+
+Images (VLM tasks): a `StepRecord` may carry its observation's image. A memory keeps the
+images of at most its `max_images - 1` newest steps (the current observation's image is
+the prompt's last one; `max_images=1`, the default, keeps none of the past), and
+`render_images(budget)` gives one entry per `render(budget)` entry: that step's image or
+None. Memories without `render_images` are text-only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,8 @@ class StepRecord:
     action: str  # the model's raw text
     reward: float
     is_action_valid: bool
+    # The observation's image (HxWx3 uint8) for VLM tasks; None for text ones.
+    image: Any = None
 
 
 class Memory(Protocol):
@@ -36,17 +45,30 @@ def format_step(step: StepRecord) -> str:
 
 
 class WindowMemory:
-    """The last `k` (observation, action) pairs."""
+    """The last `k` (observation, action) pairs, with the images of the newest
+    `max_images - 1` of them (the current observation holds the prompt's last image)."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, max_images: int = 1):
         self.steps: deque[StepRecord] = deque(maxlen=max(k, 0))
+        self.past_images = max(max_images - 1, 0)
 
     def store(self, step: StepRecord) -> None:
+        if self.past_images == 0 and step.image is not None:
+            step = dataclasses.replace(step, image=None)
         self.steps.append(step)
+        # Drop the image of the step that just left the image window (memory is not kept
+        # for pixels no prompt will show).
+        if self.past_images and len(self.steps) > self.past_images:
+            old = self.steps[-self.past_images - 1]
+            if old.image is not None:
+                self.steps[-self.past_images - 1] = dataclasses.replace(old, image=None)
 
     def render(self, budget: int | None = None) -> list[str]:
         entries = [format_step(s) for s in self.steps]
         return _last(entries, budget)
+
+    def render_images(self, budget: int | None = None) -> list:
+        return _last([s.image for s in self.steps], budget)
 
 
 class SummaryMemory:
@@ -57,8 +79,8 @@ class SummaryMemory:
     (run-length encoded, so it grows with the number of distinct runs, not steps).
     """
 
-    def __init__(self, k: int, max_actions: int = 32):
-        self.window = WindowMemory(k)
+    def __init__(self, k: int, max_actions: int = 32, max_images: int = 1):
+        self.window = WindowMemory(k, max_images)
         self.k = k
         self.max_actions = max_actions
         self.num_steps = 0
@@ -93,6 +115,10 @@ class SummaryMemory:
         entries = ([digest] if digest else []) + self.window.render()
         return _last(entries, budget)
 
+    def render_images(self, budget: int | None = None) -> list:
+        images = ([None] if self.digest() else []) + self.window.render_images()
+        return _last(images, budget)
+
 
 class NoMemory:
     def store(self, step: StepRecord) -> None:
@@ -101,12 +127,19 @@ class NoMemory:
     def render(self, budget: int | None = None) -> list[str]:
         return []
 
+    def render_images(self, budget: int | None = None) -> list:
+        return []
 
-def memory_factory(kind: str, history_length: int) -> Callable[[], Memory]:
+
+def memory_factory(kind: str, history_length: int, max_images: int = 1) -> Callable[[], Memory]:
+    """max_images: the most images one prompt shows, the current observation's included
+    (1: the current one only; 0: none, a text-only prompt even for a visual env)."""
+    if max_images < 0:
+        raise ValueError(f"max_images={max_images}; use 0 or more")
     if kind == "window":
-        return lambda: WindowMemory(history_length)
+        return lambda: WindowMemory(history_length, max_images)
     if kind == "summary":
-        return lambda: SummaryMemory(history_length)
+        return lambda: SummaryMemory(history_length, max_images=max_images)
     if kind == "none":
         return NoMemory
     raise ValueError(f"memory={kind!r}; use 'window', 'summary' or 'none'")

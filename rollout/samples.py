@@ -30,3 +30,8 @@ class StepSample:
     response_text: str = ""
     weight_version: str = ""
     info: dict = field(default_factory=dict)
+    # The prompt's images in text order (HxWx3 uint8 arrays; rollout.prompts.Prompt.images)
+    # and the history entry each belongs to (`history_entries`: the current observation).
+    images: list[Any] = field(default_factory=list)
+    image_entries: list[int] = field(default_factory=list)
+    observation: str = ""  # the env's text observation the action answered (for logs)

@@ -163,7 +163,7 @@ class PointsEnv:
         text = f"Cards: {cards}\nFormula: {formula}".rstrip()
         image = None
         if self.config.render_image:
-            image = render_table([("", list(self.cards))], ["Formula:", formula], self.config.image_size)
+            image = render_table([("", list(self.cards))], [f"Formula: {formula}"], self.config.image_size)
         return Observation(text=text, image=image, anchor=text)
 
     def reset(self, seed: int) -> Observation:

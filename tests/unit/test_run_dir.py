@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 
 from megatron_agent.iteration_metrics import PhaseTimer, iteration_row, moving_average
@@ -40,6 +41,11 @@ def test_sample_episodes_read_as_text(tmp_path):
     text = (tmp_path / "samples" / "iter_000025.txt").read_text()
     assert text.startswith("=== episode traj 3 (group 0, seed 0): return 1, won True, 2 steps")
     assert "observation: Target: 2 Current: 1" in text and text.count("--- step") == 2
+    pictured = sample(0, 4, 0, 1.0, 1.0, won=True, anchor=np.zeros((8, 8, 3), np.uint8))
+    pictured.observation, pictured.images = "Which colour?", [pictured.anchor]
+    write_sample_episodes(tmp_path, 26, [[pictured]])
+    text = (tmp_path / "samples" / "iter_000026.txt").read_text()
+    assert "observation: Which colour?\nimages: 8x8x3\n" in text
 
 
 def test_phase_timer_adds_up_repeated_phases():

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import make_env
-from envs.projection import parse_json_action, parse_search_or_answer, parse_tagged_action
+from envs.projection import parse_bare_action, parse_json_action, parse_search_or_answer, parse_tagged_action
 from tests.unit.envs.test_projection import texts
 
 SOKOBAN = ("up", "down", "left", "right")
@@ -18,6 +18,7 @@ RULES = {
     "points24": lambda t: parse_json_action(t, tuple(map(str, range(1, 11))) + tuple("+-*/()=")) is not None,
     "blackjack": lambda t: parse_json_action(t, ("hit", "stand")) is not None,
     "search": lambda t: parse_search_or_answer(t) is not None,
+    "visual_quiz": lambda t: parse_bare_action(t, ("red", "green", "blue", "yellow")) is not None,
 }
 
 # Valid actions mixed in, so episodes also move forward and end.
@@ -28,6 +29,7 @@ VALID = {
     "points24": ['"action": "("', '"action": "3"', '"action": "="'],
     "blackjack": ['"action": "hit"', '"action": "stand"'],
     "search": ["<search>capital</search>", "<answer>Paris</answer>"],
+    "visual_quiz": ["red", "it is Blue"],
 }
 
 
