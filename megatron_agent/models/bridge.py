@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,9 +27,11 @@ import torch
 from megatron_agent.models.families import Rule, family_of
 from megatron_agent.models.families.common import (
     COLS,
+    FUSED_EXPERTS,
     GATE_UP,
     GATE_UP_ROWS,
     IDENTITY,
+    PREFIX,
     QKV,
     REPLICATED,
     ROWS,
@@ -50,6 +52,8 @@ class Dims:
     head_dim: int
     vocab_size: int
     padded_vocab: int
+    hidden: int = 0
+    expert_ffn: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict, tp: int) -> Dims:
@@ -60,7 +64,28 @@ class Dims:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             vocab_size=hf["vocab_size"],
             padded_vocab=padded_vocab_size(hf["vocab_size"], tp),
+            hidden=hf["hidden_size"],
+            expert_ffn=hf.get("moe_intermediate_size") or 0,
         )
+
+
+def fused_experts_in_megatron_layout(t: torch.Tensor, split: str, dims: Dims, name: str) -> torch.Tensor:
+    """A fused expert tensor [E, ...] as [E, rows, cols] of Megatron's per-expert layout.
+
+    Published checkpoints hold gate_up_proj [E, H, 2I] and down_proj [E, I, H]; transformers
+    5 holds (and writes, for a model it made) [E, 2I, H] and [E, H, I], Megatron's layout.
+    """
+    h, i = dims.hidden, dims.expert_ffn
+    if h in (i, 2 * i):
+        raise WeightMappingError(f"cannot tell the layout of {name!r}: hidden size {h} equals the expert "
+                                 f"size {i} or twice it, so [E, H, 2I] and [E, 2I, H] look alike")
+    megatron = (2 * i, h) if split == GATE_UP_ROWS else (h, i)
+    if tuple(t.shape[1:]) == megatron:
+        return t
+    if tuple(t.shape[1:]) == megatron[::-1]:
+        return t.transpose(1, 2)
+    raise WeightMappingError(f"{name!r} has shape {tuple(t.shape)}; expected [E, {megatron[0]}, {megatron[1]}] "
+                             f"or [E, {megatron[1]}, {megatron[0]}]")
 
 
 # --- HF tensors <-> one full Megatron tensor ------------------------------------------
@@ -170,7 +195,9 @@ class Bridge:
 
     def __init__(self, hf: dict):
         self.hf = hf
-        self.rules = {r.mcore: r for r in family_of(hf).rules(hf)}
+        rules = family_of(hf).rules(hf)
+        self.rules = {r.mcore: r for r in rules if not r.mcore.endswith(PREFIX)}
+        self.prefix_rules = [r for r in rules if r.mcore.endswith(PREFIX)]
         self.num_experts = num_experts(hf) or 0
 
     def mapping(self, chunk, name: str) -> ParamMapping:
@@ -185,10 +212,17 @@ class Bridge:
         if e:
             expert = int(e.group(1))
             template = _EXPERT.sub(".local_experts.{E}.", template)
-        rule = self.rules.get(template)
+        rule = self.rules.get(template) or self._by_prefix(name)
         if rule is None:
             raise WeightMappingError(f"no HF mapping for Megatron parameter {name!r} ({self.hf['model_type']})")
         return ParamMapping(rule, layer, expert, is_expert=expert is not None)
+
+    def _by_prefix(self, name: str) -> Rule | None:
+        for r in self.prefix_rules:
+            mcore, hf = r.mcore[: -len(PREFIX)] + ".", r.hf[0][: -len(PREFIX)] + "."
+            if name.startswith(mcore):
+                return replace(r, mcore=name, hf=(hf + name[len(mcore):],))
+        return None
 
 
 def _parallel_ranks(is_expert: bool) -> tuple[int, int]:
@@ -258,6 +292,8 @@ class SafetensorsCheckpoint:
 def full_from_hf(m: ParamMapping, megatron_name: str, tensors: list[torch.Tensor], dims: Dims, source,
                  expert: int | None = None) -> torch.Tensor:
     """The full (unsharded) Megatron tensor made of its HF tensors (real or meta)."""
+    if m.rule.fuse == FUSED_EXPERTS:
+        return fused_experts_in_megatron_layout(tensors[0], m.rule.split, dims, m.hf_names(expert)[0])[expert]
     try:
         return fuse(m.rule.fuse, tensors, dims)
     except RuntimeError as err:
@@ -300,10 +336,17 @@ def load_hf_weights(chunks: list, hf_dir: str | Path, *, progress: bool = False,
         from tqdm import tqdm
 
         params = tqdm(params, desc="loading HF weights", unit="param")
+    fused: tuple[str | None, torch.Tensor | None] = (None, None)
     for chunk, name, param in params:
         m = bridge.mapping(chunk, name)
         expert = ep_rank * experts_per_rank + m.local_expert if m.is_expert else None
-        hf_tensors = [ckpt.get(n, name) for n in m.hf_names(expert)]
+        if m.rule.fuse == FUSED_EXPERTS:  # one read per layer, not one per expert
+            (hf_name,) = m.hf_names(expert)
+            if fused[0] != hf_name:
+                fused = (hf_name, ckpt.get(hf_name, name))
+            hf_tensors = [fused[1]]
+        else:
+            hf_tensors = [ckpt.get(n, name) for n in m.hf_names(expert)]
         rank, size = _parallel_ranks(m.is_expert)
         full = full_from_hf(m, name, hf_tensors, dims, ckpt.source, expert)
         try:
@@ -351,6 +394,7 @@ def export_hf_weights(chunks: list, hf: dict) -> Iterator[tuple[str, torch.Tenso
     dims = Dims.from_hf(hf, ps.get_tensor_model_parallel_world_size())
     source = is_export_source()
     experts_per_rank = bridge.num_experts // ps.get_expert_model_parallel_world_size() if bridge.num_experts else 0
+    fused: dict[str, dict[int, torch.Tensor]] = {}  # fused expert tensors being gathered, by HF name
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             m = bridge.mapping(chunk, name)
@@ -361,8 +405,18 @@ def export_hf_weights(chunks: list, hf: dict) -> Iterator[tuple[str, torch.Tenso
                 local = unshard(m.rule.split, _all_gather(local, _tp_group(m.is_expert)))
             if m.is_expert:
                 for ep_rank, full in enumerate(_all_gather(local, ps.get_expert_model_parallel_group())):
-                    if source:
-                        expert = ep_rank * experts_per_rank + m.local_expert
+                    if not source:
+                        continue
+                    expert = ep_rank * experts_per_rank + m.local_expert
+                    if m.rule.fuse != FUSED_EXPERTS:
                         yield from hf_from_full(m, full, dims, expert)
+                        continue
+                    (hf_name,) = m.hf_names(expert)
+                    experts = fused.setdefault(hf_name, {})
+                    experts[expert] = full
+                    if len(experts) == bridge.num_experts:  # written in the published layout
+                        del fused[hf_name]
+                        stacked = torch.stack([experts[e] for e in range(len(experts))])
+                        yield hf_name, stacked.transpose(1, 2).contiguous()
             elif source:
                 yield from hf_from_full(m, local, dims)

@@ -99,11 +99,16 @@ def build_model(
         f", fp8 {fp8_recipe}" if fp8_recipe else "",
     )
     kwargs = gpt_model_kwargs(hf, parallel)
+    model_class = GPTModel
+    if family_of(hf).vision_tower:
+        from megatron_agent.models.vision_language import VisionLanguageModel
+
+        model_class, kwargs = VisionLanguageModel, dict(kwargs, hf=hf)
     chunks = []
     for vp_stage in range(parallel.vpp or 1):
         vp = vp_stage if parallel.vpp else None
         with torch.device("meta") if meta else contextlib.nullcontext():
-            model = GPTModel(
+            model = model_class(
                 config=config,
                 transformer_layer_spec=spec,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

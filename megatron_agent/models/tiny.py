@@ -29,7 +29,27 @@ TIED_EMBEDDINGS = {"llama": False, "qwen2": True, "qwen3": True, "qwen3_moe": Fa
 MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                   mlp_only_layers=[], router_aux_loss_coef=0.0, output_router_logits=False)
 
+# Vision-language families: the tiny vision tower (out_hidden_size is the LM's hidden
+# size) and the image processor's patch size; tied as Qwen2.5-VL-7B, Qwen3-VL-4B and
+# Qwen3-VL-30B-A3B are. The MoE's expert sizes are chosen so that H, I and 2I differ (the
+# fused expert layouts can then be told apart).
+VISION_FAMILIES: dict[str, dict] = {
+    "qwen2_5_vl": dict(tied=False, vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                               patch_size=14, window_size=56, fullatt_block_indexes=[1])),
+    "qwen3_vl": dict(tied=True, vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                            patch_size=16, num_position_embeddings=64,
+                                            deepstack_visual_indexes=[0, 1])),
+    "qwen3_vl_moe": dict(tied=False, vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                 patch_size=16, num_position_embeddings=64,
+                                                 deepstack_visual_indexes=[0, 1]),
+                         text=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                   decoder_sparse_step=1, mlp_only_layers=[])),
+}
+# Images of 2x2 to 4x4 merged tokens (the processor resizes into this range).
+IMAGE_TOKENS_RANGE = (4, 16)
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Tags the environments' action formats use: one token each.
 TAG_TOKENS = [f"<{'/' if close else ''}{tag}>" for tag in
               ("think", "action", "search", "answer", "information") for close in (False, True)]
@@ -37,6 +57,20 @@ TAG_TOKENS = [f"<{'/' if close else ''}{tag}>" for tag in
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+# Content is a string or a list of parts ({"type": "image"} or {"type": "text", "text": ...});
+# an image becomes one <|image_pad|>, which the processor repeats once per image token.
+VISION_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
@@ -95,8 +129,9 @@ JOB_WORDS = ["Target", "Current", ":", "+", "-", "user", "assistant", "system"] 
 TOKENIZER_KINDS = ("bpe", "words")
 
 
-def build_tokenizer(kind: str = "bpe"):
-    """A tokenizer with chat special tokens.
+def build_tokenizer(kind: str = "bpe", vision: bool = False):
+    """A tokenizer with chat special tokens (and with `vision`, the image tokens and a
+    chat template that places them).
 
     "bpe": byte-level BPE, any text encodes and decodes back exactly (the default).
     "words": one token per word of JOB_WORDS (unknown words are [UNK]; decoding joins
@@ -122,11 +157,11 @@ def build_tokenizer(kind: str = "bpe"):
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>"] + (VISION_TOKENS if vision else []),
         **extra,
     )
     fast.add_tokens(TAG_TOKENS)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     return fast
 
 
@@ -144,6 +179,89 @@ def hf_config_for(family: str, preset: str = "tiny", vocab_size: int = 1024, **o
     return fields
 
 
+def vision_config_for(family: str, tokenizer, preset: str = "tiny", **overrides) -> dict:
+    """A vision-language config in transformers 5's nested form (text_config, vision_config)."""
+    spec = VISION_FAMILIES[family]
+    text = dict(PRESETS[preset], vocab_size=-(-len(tokenizer) // 64) * 64, max_position_embeddings=2048,
+                rms_norm_eps=1e-6, initializer_range=0.02, hidden_act="silu", **spec.get("text", {}),
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    text.update(overrides)
+    half = text["head_dim"] // 2
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section}
+    if family != "qwen2_5_vl":
+        text["rope_parameters"]["mrope_interleaved"] = True
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        text_config=text,
+        vision_config=dict(spec["vision"], out_hidden_size=text["hidden_size"], spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=spec["tied"],
+    )
+
+
+def image_processor_for(hf: dict):
+    """Qwen2-VL's image processor (the PIL one: no torchvision needed) for this tower."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vision = hf["vision_config"]
+    unit = vision["patch_size"] * vision["spatial_merge_size"]
+    low, high = IMAGE_TOKENS_RANGE
+    mean_std = {} if vision["patch_size"] == 14 else dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+        size={"shortest_edge": low * unit * unit, "longest_edge": high * unit * unit}, **mean_std,
+    )
+
+
+def _fused_experts_to_hub_layout(path: Path) -> None:
+    """transformers 5 writes a fresh model's fused experts as it keeps them in memory,
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I]; published Qwen3-VL-MoE checkpoints
+    hold [E, H, 2I] and [E, I, H]. Write the published layout (transformers reads both)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = t.transpose(1, 2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def write_tiny_vlm(family: str, out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
+                   dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """A tiny vision-language model: config.json, weights under the checkpoint's own names
+    (what `save_pretrained` writes), preprocessor_config.json and the tokenizer."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer("bpe", vision=True)
+    fields = vision_config_for(family, tokenizer, preset, **overrides)
+    config = AutoConfig.for_model(family, **fields)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        with torch.no_grad():  # no zero pad row (see write_tiny_model)
+            model.get_input_embeddings().weight[tokenizer.pad_token_id].normal_(0.0, 0.02)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    from megatron_agent.models.checkpoint import atomic_directory
+
+    with atomic_directory(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if "num_experts" in fields["text_config"]:
+            _fused_experts_to_hub_layout(tmp / "model.safetensors")
+        tokenizer.save_pretrained(tmp)
+        image_processor_for(fields).save_pretrained(tmp)
+        (tmp / "megatron_agent.json").write_text(json.dumps(
+            {"family": family, "preset": preset, "seed": seed, "tokenizer": "bpe", "overrides": overrides}, indent=2))
+    log.info("wrote %s %s (%d parameters) to %s", family, preset, sum(p.numel() for p in model.parameters()), out_dir)
+    return out_dir
+
+
 def write_tiny_model(
     family: str,
     out_dir: str | Path,
@@ -157,6 +275,9 @@ def write_tiny_model(
     """Write an HF model directory; atomic (a temporary directory renamed at the end).
     `tokenizer` is a kind from TOKENIZER_KINDS."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family in VISION_FAMILIES:
+        return write_tiny_vlm(family, out_dir, preset=preset, seed=seed, dtype=dtype, **overrides)
 
     out_dir = Path(out_dir)
     tokenizer_kind = tokenizer

@@ -18,15 +18,23 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
 def read_hf_config(source: str | Path | dict) -> dict:
-    """An HF config as a dict, from a model directory, a config.json, or a dict."""
+    """An HF config as a dict, from a model directory, a config.json, or a dict.
+
+    A vision-language config's `text_config` is lifted to the top level (transformers 5
+    nests it, published checkpoints mostly do not), so the language model's fields are
+    read alike for every family; `vision_config` stays as it is.
+    """
     if isinstance(source, dict):
-        return dict(source)
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no HF config at {path}")
-    return json.loads(path.read_text())
+        hf = dict(source)
+    else:
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no HF config at {path}")
+        hf = json.loads(path.read_text())
+    text = hf.pop("text_config", None)
+    return {**text, **hf} if text else hf
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ def rope_settings(hf: dict) -> RopeSettings:
     base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     spec = params if params.get("rope_type") else scaling
-    if kind == "default":
+    if kind in ("default", "mrope"):  # "mrope": older Qwen2-VL / 2.5-VL configs
         return RopeSettings(base=float(base))
     if kind == "linear":
         return RopeSettings(base=float(base), linear_factor=float(spec["factor"]))
@@ -61,6 +69,14 @@ def rope_settings(hf: dict) -> RopeSettings:
                 )
         return RopeSettings(base=float(base), llama3_scaling_factor=float(spec["factor"]))
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
+
+
+def mrope_section(hf: dict) -> list[int] | None:
+    """The rotary channels given to the (temporal, height, width) positions; None: 1-D RoPE."""
+    for spec in (hf.get("rope_parameters"), hf.get("rope_scaling")):
+        if spec and spec.get("mrope_section"):
+            return list(spec["mrope_section"])
+    return None
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -163,6 +179,8 @@ def transformer_config_from_hf(
         moe_token_dispatcher_type=moe_token_dispatcher,  # checked against the above even when dense
         cuda_graph_scope=[],  # the whole layer; Megatron's default "full" is deprecated and warns
     )
+    if family.vision_tower:
+        kwargs.update(mrope_section=mrope_section(hf))
     if parallel.vpp:
         # Megatron-LM's own defaults for the interleaved schedule. Its dataclass default,
         # batched p2p, posts both directions to the same peer in one batch; with pp=2 the
@@ -178,7 +196,8 @@ def transformer_config_from_hf(
             moe_layer_freq=moe_layer_pattern(hf),
             # Qwen's norm_topk_prob renormalises the top-k softmax weights, which is the
             # same as a softmax over the top-k logits (Megatron's pre_softmax=False).
-            moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+            moe_router_pre_softmax=not (family.norm_topk_prob if family.norm_topk_prob is not None
+                                        else hf.get("norm_topk_prob", False)),
             moe_router_score_function="softmax",
             # No auxiliary load-balancing loss by default for RL fine-tuning.
             moe_router_load_balancing_type="none",
@@ -196,7 +215,7 @@ def gpt_model_kwargs(hf: dict, parallel: ParallelConfig) -> dict:
         vocab_size=padded_vocab_size(hf["vocab_size"], parallel.tp),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if family_of(hf).vision_tower else "rope",
         rotary_base=rope.base,
         rope_scaling=rope.llama3_scaling_factor is not None,
         rope_scaling_factor=rope.llama3_scaling_factor or 8.0,

@@ -21,6 +21,8 @@ import torch
 from megatron_agent.training.batch import padded_length, sequence_multiple
 
 MicroBatch = dict[str, torch.Tensor]
+# What a vision-language model's first stage takes besides the ids (models/vision_inputs.py).
+VISION_INPUTS = ("pixel_values", "image_grid_thw")
 # loss_fn(micro_batch, output) -> (loss, metrics). `output` is what the last stage's
 # GPTModel returns: per-token cross entropy [b, s] when the micro-batch has "labels".
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -72,14 +74,15 @@ def layout_multiple(chunks: list) -> int:
 def pad_model_inputs(micro_batch: MicroBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """input_ids, position_ids and labels right-padded to `width` columns: token 0, and
     positions that keep counting. The padded columns come after every real one, so under
-    the causal mask no real position attends to them."""
+    the causal mask no real position attends to them. Positions are [b, s], or [3, b, s]
+    for multimodal RoPE."""
     input_ids, positions, labels = micro_batch["input_ids"], micro_batch["position_ids"], micro_batch.get("labels")
     extra = width - input_ids.shape[1]
     if extra <= 0:
         return input_ids, positions, labels
     pad = partial(torch.nn.functional.pad, pad=(0, extra))
-    more = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
-    return (pad(input_ids, value=0), torch.cat([positions, more], dim=1),
+    more = positions[..., -1:] + torch.arange(1, extra + 1, device=positions.device)
+    return (pad(input_ids, value=0), torch.cat([positions, more], dim=-1),
             None if labels is None else pad(labels, value=0))
 
 
@@ -89,7 +92,8 @@ def _forward_step(loss_fn: LossFn, multiple: int, data_iterator, model):
     micro_batch = {k: v.to(device, non_blocking=True) for k, v in micro_batch.items()}
     columns = micro_batch["input_ids"].shape[1]
     input_ids, positions, labels = pad_model_inputs(micro_batch, padded_length(columns, multiple))
-    output = model(input_ids, positions, attention_mask=None, labels=labels)
+    images = {k: micro_batch[k] for k in VISION_INPUTS if k in micro_batch}
+    output = model(input_ids, positions, attention_mask=None, labels=labels, **images)
 
     def loss(output_tensor):
         # Last stage only: [b, s_padded, ...] back to the micro-batch's own columns, so
@@ -149,12 +153,18 @@ def forward_logits(chunks: list, input_ids: torch.Tensor, vocab_size: int | None
     TP shards of the vocabulary are gathered; padded vocabulary rows are dropped when
     `vocab_size` is given.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     s = input_ids.shape[1]
     positions = torch.arange(s).unsqueeze(0)
     micro_batches = [{"input_ids": row.unsqueeze(0), "position_ids": positions} for row in input_ids]
+    return micro_batch_logits(chunks, micro_batches, vocab_size)
+
+
+def micro_batch_logits(chunks: list, micro_batches: Sequence[MicroBatch], vocab_size: int | None = None):
+    """`forward_logits` over given micro-batches (e.g. a VLM's, with their images and
+    MRoPE positions), concatenated over the batch dimension."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
     captured = []
 
     def keep_logits(_mb, logits):

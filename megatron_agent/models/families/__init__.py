@@ -4,10 +4,12 @@ module here plus a line in FAMILIES."""
 
 from __future__ import annotations
 
-from megatron_agent.models.families import llama, qwen2, qwen3, qwen3_moe
+from megatron_agent.models.families import llama, qwen2, qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe
 from megatron_agent.models.families.common import Family, Rule, UnsupportedModelError
 
-FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (llama, qwen2, qwen3, qwen3_moe)}
+FAMILIES: dict[str, Family] = {
+    m.FAMILY.name: m.FAMILY for m in (llama, qwen2, qwen3, qwen3_moe, qwen2_5_vl, qwen3_vl, qwen3_vl_moe)
+}
 
 
 def family_of(hf: dict) -> Family:

@@ -22,6 +22,9 @@ IDENTITY = "identity"  # one HF tensor, same layout
 QKV = "qkv"  # q, k, v fused, interleaved per query group: [q_g, k_g, v_g] for each group g
 GATE_UP = "gate_up"  # gate and up stacked: [gate; up]
 VOCAB = "vocab"  # rows padded to Megatron's vocabulary size (a multiple of TP)
+# One HF tensor holds every expert of a layer stacked, [E, ...]; the Megatron tensor of
+# expert e is row e in Megatron's own layout (read from either layout, written in the hub's).
+FUSED_EXPERTS = "fused_experts"
 
 # How the full tensor is split over TP ranks.
 REPLICATED = "replicated"
@@ -39,6 +42,11 @@ class Rule:
     export: bool = True  # False: a copy of another parameter (tied output layer)
 
 
+# A rule whose Megatron name ends in this maps every parameter under that prefix 1:1 to
+# the same rest of the name under the HF prefix (a vision tower kept as the HF module).
+PREFIX = ".*"
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -47,13 +55,21 @@ class Family:
     moe: bool
     # The weight table for an HF config of this family.
     rules: Callable[[dict], list[Rule]] = field(repr=False)
+    # Vision-language families: the transformers class of the vision tower, which the
+    # Megatron model runs as is ("module.path.ClassName").
+    vision_tower: str | None = None
+    # Multimodal RoPE's frequencies cycle over (t, h, w) (Qwen3-VL) instead of in chunks.
+    mrope_interleaved: bool = False
+    # Top-k router weights renormalised whatever config.json says (None: its norm_topk_prob).
+    norm_topk_prob: bool | None = None
 
 
-def attention(*, qkv_bias: bool, qk_norm: bool) -> list[Rule]:
-    hf = "model.layers.{L}.self_attn"
+def attention(*, qkv_bias: bool, qk_norm: bool, prefix: str = "model") -> list[Rule]:
+    """`prefix`: where the checkpoint keeps the language model ("model.language_model" in Qwen3-VL)."""
+    hf = f"{prefix}.layers.{{L}}.self_attn"
     mc = "decoder.layers.{L}.self_attention"
     rules = [
-        Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
+        Rule("decoder.layers.{L}.input_layernorm.weight", (f"{prefix}.layers.{{L}}.input_layernorm.weight",)),
         Rule(f"{mc}.linear_qkv.weight", tuple(f"{hf}.{p}_proj.weight" for p in "qkv"), QKV, ROWS),
         Rule(f"{mc}.linear_proj.weight", (f"{hf}.o_proj.weight",), IDENTITY, COLS),
     ]
@@ -65,10 +81,11 @@ def attention(*, qkv_bias: bool, qk_norm: bool) -> list[Rule]:
     return rules
 
 
-def dense_mlp() -> list[Rule]:
-    hf = "model.layers.{L}.mlp"
+def dense_mlp(prefix: str = "model") -> list[Rule]:
+    hf = f"{prefix}.layers.{{L}}.mlp"
     return [
-        Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",)),
+        Rule("decoder.layers.{L}.pre_mlp_layernorm.weight",
+             (f"{prefix}.layers.{{L}}.post_attention_layernorm.weight",)),
         Rule("decoder.layers.{L}.mlp.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
              GATE_UP, GATE_UP_ROWS),
         Rule("decoder.layers.{L}.mlp.linear_fc2.weight", (f"{hf}.down_proj.weight",), IDENTITY, COLS),
@@ -92,12 +109,32 @@ def moe_mlp(*, router: str = "gate", expert_bias: str | None = None) -> list[Rul
     return rules
 
 
-def embeddings_and_head(hf: dict) -> list[Rule]:
-    tied = bool(hf.get("tie_word_embeddings", False))
+def fused_moe_mlp(prefix: str) -> list[Rule]:
+    """Routed experts stored fused per layer: `experts.gate_up_proj` ([gate; up] per expert)
+    and `experts.down_proj` (Qwen3-VL-MoE)."""
+    hf = f"{prefix}.layers.{{L}}.mlp"
+    mc = "decoder.layers.{L}.mlp"
     return [
-        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, ROWS),
-        Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-        # Tied: the last stage's output layer (PP > 1) is a copy of the embedding.
-        Rule("output_layer.weight", ("model.embed_tokens.weight",) if tied else ("lm_head.weight",),
-             VOCAB, ROWS, export=not tied),
+        Rule("decoder.layers.{L}.pre_mlp_layernorm.weight",
+             (f"{prefix}.layers.{{L}}.post_attention_layernorm.weight",)),
+        Rule(f"{mc}.router.weight", (f"{hf}.gate.weight",)),
+        Rule(f"{mc}.experts.local_experts.{{E}}.linear_fc1.weight", (f"{hf}.experts.gate_up_proj",), FUSED_EXPERTS,
+             GATE_UP_ROWS),
+        Rule(f"{mc}.experts.local_experts.{{E}}.linear_fc2.weight", (f"{hf}.experts.down_proj",), FUSED_EXPERTS, COLS),
     ]
+
+
+def embeddings_and_head(hf: dict, prefix: str = "model") -> list[Rule]:
+    tied = bool(hf.get("tie_word_embeddings", False))
+    embed = f"{prefix}.embed_tokens.weight"
+    return [
+        Rule("embedding.word_embeddings.weight", (embed,), VOCAB, ROWS),
+        Rule("decoder.final_layernorm.weight", (f"{prefix}.norm.weight",)),
+        # Tied: the last stage's output layer (PP > 1) is a copy of the embedding.
+        Rule("output_layer.weight", (embed,) if tied else ("lm_head.weight",), VOCAB, ROWS, export=not tied),
+    ]
+
+
+def vision_tower(hf_prefix: str) -> list[Rule]:
+    """The HF vision module, replicated over TP: its tensors keep their HF names under `hf_prefix`."""
+    return [Rule("vision" + PREFIX, (hf_prefix + PREFIX,))]
