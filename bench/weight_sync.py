@@ -12,16 +12,21 @@ shared machine; the figures are medians, and raw/sync is the median of each sync
 to the raw broadcast that followed it.
 
 Where the time goes is measured by wrapping, in this process only, the functions a sync
-calls. The pipeline overlaps them, so they do not add up to the sync's seconds: `write`
-is the caller's thread writing exported tensors into the bucket buffers (overlapping the
-wire), `bcast` the sender thread's broadcasts, `http+load` the rest of `send_weights`
-(HTTP announce, the engine receiving in place and answering), `control` the six control
-requests (pause, flush, begin, end, version, continue), `idle` the sync's seconds in which
-no bucket was being sent or controlled (the export and writing of the first bucket, the
-collectives between trainer ranks).
+calls. `open` + `wire` + `close` are the sync's seconds: `open` from the start to the
+first broadcast (pause, flush, begin; then the first bucket exported, or written, and
+announced), `wire` from there until the engine answered the last bucket (compare it with
+the raw broadcast), `close` the rest (end, version, continue, the collectives between
+trainer ranks). Overlapping those: `write`, the caller's thread writing exported tensors
+into the bucket buffers (flattened only), and `control`, the six control requests. The
+sender's CPU seconds per sync (`cpu`, every thread of this process) are next to the raw
+broadcast's (`raw cpu`): what the sync adds to the bytes' own cost.
 
-The last line is the figure for the default config's bucket size (`WeightSyncConfig`).
-On a shared CPU the figures move by tens of percent from run to run.
+Each format gets a warm-up sync first (it joins the group and allocates; per tensor, it
+also records the export's layout, so the measured syncs are streamed).
+
+The last line is the figure for the default config (`WeightSyncConfig`: its format over a
+weight-update group, its bucket size). On a shared CPU the figures move by tens of
+percent from run to run; the ratio is taken within each pair of runs.
 
 Run: `.venv/bin/python bench/weight_sync.py [--layers 11] [--buckets-mib 32,128,512]`.
 """
@@ -100,10 +105,13 @@ class RawBroadcast:
 
 
 class Clock:
-    """Accumulated seconds of a few wrapped functions (this process, any thread)."""
+    """Accumulated seconds of a few wrapped functions (this process, any thread), and when
+    each was first entered and last left."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
         self.originals: list = []
 
     def wrap(self, owner, attr: str, key: str) -> None:
@@ -112,20 +120,28 @@ class Clock:
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
+            self.first.setdefault(key, t)
             try:
                 return original(*args, **kwargs)
             finally:
-                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+                end = time.perf_counter()
+                self.seconds[key] = self.seconds.get(key, 0.0) + end - t
+                self.last[key] = max(self.last.get(key, end), end)
 
         setattr(owner, attr, timed)
 
     def reset(self) -> None:
-        self.seconds = {}
+        self.seconds, self.first, self.last = {}, {}, {}
 
     def restore(self) -> None:
         for owner, attr, original in reversed(self.originals):
             setattr(owner, attr, original)
         self.originals = []
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process so far, every thread."""
+    return time.process_time()
 
 
 def main() -> None:
@@ -155,9 +171,11 @@ def main() -> None:
     from rollout.engine_launch import launch_engines, stop_engines
 
     default = WeightSyncConfig()
-    default_case = (default.flattened, default.bucket_bytes)
+    # the default format over a weight-update group (None: per tensor there)
+    default_case = (bool(default.flattened), default.bucket_bytes)
     cases = sorted({(fmt == "flattened", int(float(b) * MIB)) for fmt in args.formats.split(",")
                     for b in args.buckets_mib.split(",")} | {default_case}, key=lambda c: (not c[0], c[1]))
+    load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     engines, raw = [], None
     try:
@@ -184,15 +202,17 @@ def main() -> None:
         for _ in range(args.repeats):
             t = time.perf_counter()
             total, count = 0, 0
-            for _, tensor in actor.named_hf_weights():
-                total += tensor.numel() * tensor.element_size()
-                count += 1
+            with weight_sync._one_thread_on_cpu():  # as in a sync
+                for _, tensor in actor.named_hf_weights():
+                    total += tensor.numel() * tensor.element_size()
+                    count += 1
             export_times.append(time.perf_counter() - t)
         export_s = statistics.median(export_times)
 
         raw = RawBroadcast(total, [chunks_of(total, b) for _, b in cases for _ in range(args.repeats)], threads)
         clock = Clock()
-        clock.wrap(weight_sync, "send_weights", "send")
+        clock.wrap(weight_sync, "send_weights", "answered")  # flattened: one bucket each
+        clock.wrap(buckets_module.StreamedBuckets, "_complete", "answered")  # streamed: a bucket's end
         clock.wrap(buckets_module, "write_bytes", "write")
         clock.wrap(dist, "broadcast", "broadcast")
         for method in ("pause_generation", "flush_cache", "begin_weight_update", "end_weight_update",
@@ -208,11 +228,18 @@ def main() -> None:
             runs, raw_times = [], []
             for r in range(args.repeats):
                 clock.reset()
+                cpu, t = cpu_seconds(), time.perf_counter()
                 metrics = sync.sync(version=f"{bucket}-{r}")
-                parts = dict(clock.seconds)
-                parts["broadcast"] = parts.get("broadcast", 0.0)
-                runs.append((metrics["weight_sync/seconds"], parts, metrics))
+                cpu = cpu_seconds() - cpu
+                seconds = metrics["weight_sync/seconds"]
+                parts = {"write": clock.seconds.get("write", 0.0), "control": clock.seconds.get("control", 0.0),
+                         "open": clock.first["broadcast"] - t, "cpu": cpu}
+                parts["wire"] = clock.last["answered"] - clock.first["broadcast"]
+                parts["close"] = seconds - parts["open"] - parts["wire"]
+                runs.append((seconds, parts, metrics))
+                raw_cpu = cpu_seconds()
                 raw_times.append(raw.next())
+                parts["raw_cpu"] = cpu_seconds() - raw_cpu
             runs_in_order = list(runs)
             runs.sort(key=lambda x: x[0])
             seconds, parts, metrics = runs[len(runs) // 2]
@@ -228,25 +255,27 @@ def main() -> None:
 
     print(f"qwen3 {args.layers} layers, hidden {args.hidden}: {total / 1e6:.0f} MB exported in {count} tensors "
           f"({on_disk / 1e6:.0f} MB safetensors), fp32, 1 trainer rank -> 1 embedded engine, gloo, "
-          f"{threads} torch threads, {os.cpu_count()} CPUs")
+          f"{threads} torch threads, {os.cpu_count()} CPUs; load average (1 min) {load_before[0]:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
     print(f"setup: write model {write_s:.1f} s, engine start {engine_start_s:.1f} s, actor build {actor_s:.1f} s; "
-          f"export alone (iterate named_hf_weights) {export_s:.3f} s")
+          f"export alone (iterate named_hf_weights, one thread as in a sync) {export_s:.3f} s")
     print()
     print(f"median of {args.repeats} syncs after a warm-up sync, each followed by a raw gloo broadcast of the same "
           f"bytes in the same bucket sizes to a helper process")
     print(f"{'format':>10}{'bucket':>8}{'buckets':>8}{'sync s':>9}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}{'raw/sync':>9}"
-          f"{'1st s':>8}  | {'write':>7}{'bcast':>8}{'http+load':>10}{'control':>8}{'idle':>7}")
+          f"{'1st s':>8}  | {'open':>6}{'wire':>7}{'close':>7} | {'write':>6}{'control':>8} | {'cpu':>6}{'raw cpu':>8}")
     for (flattened, bucket), seconds, raw_s, ratio, first_s, parts, metrics in rows:
-        send, bcast, control = parts.get("send", 0.0), parts["broadcast"], parts.get("control", 0.0)
         print(f"{'flattened' if flattened else 'per_tensor':>10}{bucket // MIB:>5}MiB{int(metrics['weight_sync/buckets']):>8}{seconds:>9.3f}"
               f"{metrics['weight_sync/bytes'] / 1e9 / seconds:>7.2f}{raw_s:>8.3f}"
               f"{total / 1e9 / raw_s:>9.2f}{ratio:>9.2f}{first_s:>8.2f}  | "
-              f"{parts.get('write', 0.0):>7.3f}{bcast:>8.3f}{send - bcast:>10.3f}{control:>8.3f}"
-              f"{seconds - send - control:>7.3f}")
-    print("columns after '|' (they overlap): write = exported tensors into the bucket buffers (caller's thread), "
-          "bcast = broadcasts (sender thread), http+load = the rest of send_weights (announce, engine receive "
-          "and answer), control = the six control requests, idle = no bucket on the wire nor a control request")
-    print(f"default config: {'flattened' if default.flattened else 'per_tensor'}, "
+              f"{parts['open']:>6.3f}{parts['wire']:>7.3f}{parts['close']:>7.3f} | {parts['write']:>6.3f}"
+              f"{parts['control']:>8.3f} | {parts['cpu']:>6.3f}{parts['raw_cpu']:>8.3f}")
+    print("open + wire + close = sync s: open = start to the first broadcast (pause, flush, begin, first bucket "
+          "ready and announced), wire = first broadcast to the last bucket answered, close = end, version, "
+          "continue, collectives; write = exported tensors into bucket buffers (flattened), control = the six "
+          "control requests (both overlap the above); cpu = this process's CPU seconds in the sync, raw cpu = in "
+          "the raw broadcast (medians are of the median-time run)")
+    print(f"default config: {'flattened' if default_case[0] else 'per tensor (streamed)'} over a weight-update group, "
           f"{default.bucket_bytes // MIB} MiB buckets")
     _, _, _, ratio, _, _, metrics = next(r for r in rows if r[0] == default_case)
     print(f"weight_sync: {ratio:.2f} of raw broadcast ({total / 1e6:.0f} MB, "

@@ -368,6 +368,10 @@ class EngineClient:
 
     # -- control and weight updates (sent to every live server at once) ------------------
     def post_all(self, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> list:
+        with self.lock:
+            urls = list(self.alive)
+        if len(urls) == 1:  # one server: the call runs on the caller's thread (no hand-offs)
+            return self._answers(path, urls, [self._outcome(urls[0], path, body or {}, timeout_s)])
         return self.post_all_async(path, body, timeout_s=timeout_s).result()
 
     def post_all_async(self, path: str, body: dict | None = None, *, timeout_s: float | None = None,
@@ -378,28 +382,51 @@ class EngineClient:
             urls = list(self.alive)
         if not urls:
             raise NoEngineLeft(f"no rollout engine left of {self.urls} ({self._dead_summary()})")
-        futures = [self.pool.submit(self._call, u, path, (bodies or {}).get(u, body or {}), timeout_s)
-                   for u in urls]
         done: Future = Future()
+        outcomes: list = [None] * len(urls)
+        remaining = [len(urls)]
+        count_lock = threading.Lock()
 
-        def gather():
-            out, errors = [], []
-            for u, f in zip(urls, futures):
-                try:
-                    status, payload = f.result()
-                except _ServerFailed as e:
-                    errors.append(f"{u}: {e}")
-                    continue
-                if status != 200 or (isinstance(payload, dict) and payload.get("success") is False):
-                    errors.append(f"{u}{path}: HTTP {status}: {payload}")
-                out.append(payload)
-            if errors:
-                done.set_exception(EngineError("; ".join(errors)))
-            else:
-                done.set_result(out)
+        def finished(index: int, call: Future) -> None:  # on the pool thread that made the call
+            outcomes[index] = call.exception() or call.result()
+            with count_lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            try:
+                done.set_result(self._answers(path, urls, outcomes))
+            except BaseException as err:  # EngineError, or what a call raised unexpectedly
+                done.set_exception(err)
 
-        threading.Thread(target=gather, daemon=True).start()
+        for i, u in enumerate(urls):
+            call = self.pool.submit(self._call, u, path, (bodies or {}).get(u, body or {}), timeout_s)
+            call.add_done_callback(lambda c, i=i: finished(i, c))
         return done
+
+    def _outcome(self, url: str, path: str, body: dict, timeout_s: float | None):
+        """(status, payload), or the _ServerFailed that the call raised."""
+        try:
+            return self._call(url, path, body, timeout_s)
+        except _ServerFailed as err:
+            return err
+
+    @staticmethod
+    def _answers(path: str, urls: list[str], outcomes: list) -> list:
+        """The response bodies in server order, or EngineError naming every failure."""
+        out, errors = [], []
+        for u, outcome in zip(urls, outcomes):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, _ServerFailed):
+                    raise outcome
+                errors.append(f"{u}: {outcome}")
+                continue
+            status, payload = outcome
+            if status != 200 or (isinstance(payload, dict) and payload.get("success") is False):
+                errors.append(f"{u}{path}: HTTP {status}: {payload}")
+            out.append(payload)
+        if errors:
+            raise EngineError("; ".join(errors))
+        return out
 
     def server_ranks(self, urls: Sequence[str] | None = None, timeout_s: float = 30.0) -> dict[str, int]:
         """How many ranks each server (default: the live ones) puts in a weight-update

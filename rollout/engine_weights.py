@@ -4,6 +4,8 @@ into the model, and finding the model tensor a checkpoint-format HF name refers 
 
 No copy after the wire where the layout allows it:
 - per tensor: each broadcast lands in its parameter when dtype, shape and contiguity match;
+  every receive of the bucket is posted at once (as SGLang does), so the sender's
+  broadcasts never wait for the engine to ask for the next tensor;
 - flattened bucket: when the bucket's parameters already lie back to back in one storage,
   in the announced order, the bucket lands there; otherwise, when every name is a whole
   parameter of the bucket's dtype, the bucket is received into a fresh buffer that the
@@ -21,7 +23,7 @@ import re
 
 import torch
 
-from rollout.weight_group import tensor_nbytes, unflatten_bucket, wire_view
+from rollout.weight_group import tensor_nbytes, unflatten_bucket, wait_all, wire_view
 
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -34,24 +36,27 @@ def receive_tensors(pg: torch.distributed.ProcessGroup, dtypes: list[torch.dtype
         bucket = torch.empty(sum(tensor_nbytes(s, d) for s, d in zip(shapes, dtypes)), dtype=torch.uint8)
         torch.distributed.broadcast(bucket, src=0, group=pg)
         return unflatten_bucket(bucket, dtypes, shapes)
-    tensors = []
-    for shape, dtype in zip(shapes, dtypes):
-        t = torch.empty(shape, dtype=dtype)
-        torch.distributed.broadcast(wire_view(t), src=0, group=pg)
-        tensors.append(t)
+    tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+    _receive_all(pg, tensors)
     return tensors
 
 
 def receive_per_tensor(pg, targets: list[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]]) -> None:
     """One broadcast per tensor, each straight into its target where it can land there."""
-    for target, dtype, shape in zip(targets, dtypes, shapes):
-        target = target.detach()
-        if lands_in_place(target, dtype, shape):
-            torch.distributed.broadcast(target, src=0, group=pg)
-        else:
-            received = torch.empty(shape, dtype=dtype)
-            torch.distributed.broadcast(received, src=0, group=pg)
+    targets, landing, taken = [t.detach() for t in targets], [], set()
+    for t, d, s in zip(targets, dtypes, shapes):  # a name tied to one already received lands aside
+        in_place = lands_in_place(t, d, s) and t.data_ptr() not in taken
+        taken.add(t.data_ptr())
+        landing.append(t if in_place else torch.empty(s, dtype=d))
+    _receive_all(pg, landing)
+    for target, received in zip(targets, landing):
+        if received is not target:
             target.copy_(received)
+
+
+def _receive_all(pg, tensors: list[torch.Tensor]) -> None:
+    """Post one broadcast receive per tensor, in order, then wait for them all."""
+    wait_all([torch.distributed.broadcast(wire_view(t), src=0, group=pg, async_op=True) for t in tensors])
 
 
 def receive_flat_bucket(pg, targets: list[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]],

@@ -85,6 +85,19 @@ def unflatten_bucket(
     return out
 
 
+def wait_all(works: list) -> None:
+    """Wait for every started collective, also after one failed (each may still be reading or
+    writing its tensor, which the caller keeps until then); then raise the first failure."""
+    first = None
+    for work in works:
+        try:
+            work.wait()
+        except Exception as err:
+            first = first or err
+    if first is not None:
+        raise first
+
+
 def wire_view(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as a process group broadcasts it: float8 as its bytes (gloo has no
     float8 type; NCCL moves the same bytes either way)."""

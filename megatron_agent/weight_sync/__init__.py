@@ -3,14 +3,18 @@
 Every trainer rank calls `WeightSync.sync(version)` together:
 
 1. global rank 0 pauses generation, flushes the engines' caches, opens the update
-   (`/begin_weight_update`);
+   (`/begin_weight_update`), on a thread while it starts exporting stage 0 (whose source
+   it is; nothing is announced before the update is open);
 2. pipeline stages take turns (the lock: engines would deadlock on two announcements
    at once); in each stage every rank iterates the bridge's export (TP and EP gathers
    are collectives), and the stage's source rank (DP 0, TP 0) fills buckets of
    `bucket_bytes`, announces each over HTTP and broadcasts it over its own
-   weight-update group (NCCL on GPU, gloo on CPU) joined with the engines; the next
-   bucket is written (into one of two reused buffers) while the current one is on the
-   wire (buckets.py). With `transport: tensor` (colocated engines) there is no group:
+   weight-update group (NCCL on GPU, gloo on CPU) joined with the engines: per tensor
+   (the default over a group), once the previous sync recorded the export's layout, each
+   bucket is announced before it is exported and each tensor broadcast as the export
+   yields it, out of its own memory (buckets.StreamedBuckets); flattened, the next bucket
+   is written (into one of two reused buffers) while the current one is on the wire
+   (buckets.BucketPipeline). With `transport: tensor` (colocated engines) there is no group:
    each bucket's tensors go to the engines as handles to this machine's shared or GPU
    memory (`/update_weights_from_tensor`, tensor_sync.py) while the next one is exported;
    with `quantize: fp8` the attention and MLP weights go as block FP8 with their scales,
@@ -27,12 +31,20 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_agent.weight_sync.buckets import BucketBuffers, BucketPipeline
+from megatron_agent.weight_sync.buckets import (
+    BucketBuffers,
+    BucketPipeline,
+    Layout,
+    StreamedBuckets,
+    layout_entry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +58,10 @@ class WeightSyncConfig:
     bucket_bytes: int = 512 * 2**20
     backend: str | None = None  # None: nccl on GPU, gloo on CPU
     master_address: str = "127.0.0.1"  # this host, as the engines reach it
-    flattened: bool = True  # one uint8 tensor per bucket ("flattened_bucket")
+    # True: one uint8 tensor per bucket (load_format "flattened_bucket"); False: one
+    # broadcast per tensor, streamed out of the parameters' memory; None: per tensor over a
+    # weight-update group, flattened for tensor handles (one shared buffer per bucket).
+    flattened: bool | None = None
     # "broadcast": over a weight-update group; "tensor": handles to shared memory / CUDA
     # IPC, engines on the same machine (tensor_sync.py); None: tensor when
     # placement.colocate, else broadcast (engine_fleet.weight_transport).
@@ -88,7 +103,20 @@ class WeightSync:
         self.instance = uuid.uuid4().hex[:8]
         self.buffers = BucketBuffers()  # the source's two bucket buffers, kept across syncs
         self.by_handles = self.config.transport == "tensor"
+        # the source's export as the last sync sent it: lets the next per-tensor sync announce
+        # each bucket before exporting it (StreamedBuckets)
+        self.layout: Layout | None = None
         self.engine_ranks: dict[str, int] | None = None  # tensor transport: one payload per engine rank
+        if self.rank == 0 and not (self.is_source and self.pp_rank == 0):
+            raise ValueError("global rank 0 must be stage 0's export source (Megatron's rank order); it opens "
+                             "the update while it exports")
+        self._opener = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-open")
+
+    @property
+    def flattened(self) -> bool:
+        """The bucket format of the next sync (`config.flattened`; None: per tensor over a
+        group, flattened for tensor handles)."""
+        return self.by_handles if self.config.flattened is None else self.config.flattened
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """New engine addresses (restarted engines); the next sync reconnects."""
@@ -150,22 +178,30 @@ class WeightSync:
         start = time.perf_counter()
         version = str(version)
         errors: list[str] = []
+        opening = None
         if self.rank == 0:
-            errors += self._try(lambda: (self._client().pause_generation("abort"), self._client().flush_cache(),
-                                         self._client().begin_weight_update()))
-        self._raise_if_any(errors, "opening the update")
+            # opened on a thread while this rank (stage 0's source) starts exporting stage 0;
+            # its pipeline announces nothing before the update is open, and a failure to open
+            # reaches every rank at stage 0's check
+            client = self._client()
+            opening = self._opener.submit(lambda: (client.pause_generation("abort"), client.flush_cache(),
+                                                   client.begin_weight_update()))
         sent_bytes, buckets, checksums = 0, 0, {}
         for stage in range(self.pp_size):
             if stage == self.pp_rank:
-                stage_bytes, stage_buckets, stage_sums, stage_errors = self._send_stage(version)
+                stage_bytes, stage_buckets, stage_sums, stage_errors = self._send_stage(version, opening)
                 sent_bytes += stage_bytes
                 buckets += stage_buckets
                 checksums.update(stage_sums)
                 errors += stage_errors
+            if opening is not None:
+                errors += [f"opening the update: {e}" for e in self._try(opening.result)]
+                opening = None
             self._raise_if_any(errors, f"sending stage {stage}")
-        if self.config.check and self.is_source:
-            errors += self._try(lambda: self._check(checksums))
-        self._raise_if_any(errors, "checking what the engines loaded")
+        if self.config.check:  # every rank has the same config: all take part or none
+            if self.is_source:
+                errors += self._try(lambda: self._check(checksums))
+            self._raise_if_any(errors, "checking what the engines loaded")
         if self.rank == 0:
             errors += self._try(lambda: (self._client().end_weight_update(),
                                          self._client().update_weight_version(version),
@@ -177,9 +213,10 @@ class WeightSync:
         return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(totals[0]),
                 "weight_sync/buckets": float(totals[1]), "weight_sync/gb_per_s": float(totals[0]) / 1e9 / seconds}
 
-    def _send_stage(self, version: str):
-        """Every rank of this stage iterates the export; the source sends. After an error
-        the source keeps draining the export so its TP/EP peers do not hang."""
+    def _send_stage(self, version: str, opening: Future | None = None):
+        """Every rank of this stage iterates the export; the source sends, announcing nothing
+        before `opening` (the update being opened, on rank 0) is done. After an error the
+        source keeps draining the export so its TP/EP peers do not hang."""
         from megatron_agent.weight_sync.fp8 import quantize_named
         from rollout.fp8_blocks import dequantize_block_fp8
         from rollout.weight_group import weight_checksum
@@ -187,38 +224,59 @@ class WeightSync:
         errors: list[str] = []
         if self.is_source and self.group is None and not self.by_handles:
             errors += self._try(self._connect)
-        # handles: the exported tensors as they are (the engines copy them before answering)
-        pipeline = BucketPipeline(self._send_bucket(version), self.config.bucket_bytes,
-                                  flattened=self.config.flattened and not self.by_handles, buffers=self.buffers)
-        checksums = {}
-        for name, tensor in self.actor.named_hf_weights():
-            if not self.is_source or errors or pipeline.failed:
-                continue
-            sent = quantize_named(name, tensor) if self.config.quantize == "fp8" else [(name, tensor)]
-            for sent_name, sent_tensor in sent:
-                pipeline.add(sent_name, sent_tensor)
-            if self.config.check:  # of what the engine holds: the dequantized weight in fp8 mode
-                checksums[name] = weight_checksum(tensor if len(sent) == 1 else dequantize_block_fp8(
-                    sent[0][1], sent[1][1], dtype=tensor.dtype))
-        send_errors = pipeline.finish(send_pending=self.is_source and not errors)
+        if self.is_source and self.layout is not None and not self.flattened and not self.by_handles:
+            pipeline = StreamedBuckets(self._announce(version), self._broadcast, self.config.bucket_bytes,
+                                       self.layout, timeout_s=self.config.timeout_s, opened=opening)
+        else:  # handles: the exported tensors as they are (the engines copy them before answering)
+            pipeline = BucketPipeline(self._send_bucket(version, opening), self.config.bucket_bytes,
+                                      flattened=self.flattened and not self.by_handles, buffers=self.buffers)
+        checksums, layout = {}, []
+        with _one_thread_on_cpu():
+            for name, tensor in self.actor.named_hf_weights():
+                if not self.is_source or errors or pipeline.failed:
+                    continue
+                sent = quantize_named(name, tensor) if self.config.quantize == "fp8" else [(name, tensor)]
+                for sent_name, sent_tensor in sent:
+                    pipeline.add(sent_name, sent_tensor)
+                    layout.append(layout_entry(sent_name, sent_tensor))
+                if self.config.check:  # of what the engine holds: the dequantized weight in fp8 mode
+                    checksums[name] = weight_checksum(tensor if len(sent) == 1 else dequantize_block_fp8(
+                        sent[0][1], sent[1][1], dtype=tensor.dtype))
+            send_errors = pipeline.finish(send_pending=self.is_source and not errors)
         errors += [f"rank {self.rank}: {e}" for e in send_errors]
+        self.layout = layout if self.is_source and not errors else None  # a failed sync re-plans
         return pipeline.sent_bytes, pipeline.buckets, checksums, errors
 
-    def _send_bucket(self, version: str):
+    def _send_bucket(self, version: str, opening: Future | None):
         if self.by_handles:
             from megatron_agent.weight_sync.tensor_sync import send_tensor_bucket
 
             def send_handles(named, flat):
+                if opening is not None:
+                    opening.result()
                 if self.engine_ranks is None:
                     self.engine_ranks = self._client().server_ranks(timeout_s=min(30.0, self.config.timeout_s))
                 send_tensor_bucket(self._client(), named, self.engine_ranks, weight_version=version,
-                                   flattened=self.config.flattened, timeout_s=self.config.timeout_s)
+                                   flattened=self.flattened, timeout_s=self.config.timeout_s)
             return send_handles
 
         def send(named, flat):
+            if opening is not None:
+                opening.result()
             send_weights(self._client(), self.group, named, self.group_name, weight_version=version,
-                         flattened=self.config.flattened, timeout_s=self.config.timeout_s, flat=flat)
+                         flattened=self.flattened, timeout_s=self.config.timeout_s, flat=flat)
         return send
+
+    def _announce(self, version: str):
+        def announce(named):
+            return announce_bucket(self._client(), named, self.group_name, weight_version=version,
+                                   flattened=False, timeout_s=self.config.timeout_s)
+        return announce
+
+    def _broadcast(self, tensor: torch.Tensor):
+        from rollout.weight_group import wire_view
+
+        return dist.broadcast(wire_view(tensor), src=0, group=self.group, async_op=True)
 
     def _check(self, checksums: dict[str, float]) -> None:
         from rollout.engine_client import http_json
@@ -243,7 +301,10 @@ class WeightSync:
 
     def _raise_if_any(self, errors: list[str], during: str) -> None:
         gathered = [None] * dist.get_world_size(self.control)
-        dist.all_gather_object(gathered, errors, group=self.control)
+        if len(gathered) == 1:  # one trainer rank: nothing to gather
+            gathered = [errors]
+        else:
+            dist.all_gather_object(gathered, errors, group=self.control)
         failures = [e for rank_errors in gathered for e in rank_errors]
         if not failures:
             return
@@ -259,26 +320,53 @@ class WeightSync:
         )
 
 
+@contextmanager
+def _one_thread_on_cpu():
+    """On a CPU-only machine, the export's copies (q/k/v, bucket writes) on one thread: an
+    OpenMP team of two competes with the broadcast's own threads (gloo's, the engine's) for
+    the cores; measured on 2 cores, the sender's CPU time rose by half and the sync slowed
+    by a quarter with it."""
+    if torch.cuda.is_available():
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, torch.Tensor]], group_name: str,
                  *, weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0,
                  flat: torch.Tensor | None = None) -> list:
     """The sender's side of one bucket: announce it to every engine over HTTP and
     broadcast it from rank 0 of `pg` while they wait for it (one flattened uint8 tensor,
-    or one broadcast per tensor in list order). Call between begin/end_weight_update.
-    Only one sender may announce at a time, or engines deadlock. `flat`: the bucket's
-    bytes, already laid out; `named_tensors` then only describes them (meta tensors do)."""
-    from rollout.weight_group import dtype_name, flatten_bucket, wire_view
+    or one broadcast per tensor in list order, all started at once). Call between
+    begin/end_weight_update. Only one sender may announce at a time, or engines deadlock.
+    `flat`: the bucket's bytes, already laid out; `named_tensors` then only describes them
+    (meta tensors do)."""
+    from rollout.weight_group import flatten_bucket, wait_all, wire_view
 
-    names = [n for n, _ in named_tensors]
     tensors = [t.detach() if flat is not None else t.detach().contiguous() for _, t in named_tensors]
-    pending = client.update_weights_from_distributed(
-        names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], group_name,
-        weight_version=weight_version, load_format="flattened_bucket" if flattened else None,
-        timeout_s=timeout_s,
-    )
+    pending = announce_bucket(client, list(zip((n for n, _ in named_tensors), tensors)), group_name,
+                              weight_version=weight_version, flattened=flattened, timeout_s=timeout_s)
     if flattened:
         dist.broadcast(flat if flat is not None else flatten_bucket(tensors), src=0, group=pg)
     else:
-        for t in tensors:
-            dist.broadcast(wire_view(t), src=0, group=pg)
+        wait_all([dist.broadcast(wire_view(t), src=0, group=pg, async_op=True) for t in tensors])
     return pending.result(timeout=timeout_s)
+
+
+def announce_bucket(client, named_tensors: list[tuple[str, torch.Tensor]], group_name: str, *,
+                    weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0):
+    """Post one bucket's names, dtypes and shapes to every engine
+    (`/update_weights_from_distributed`); a Future of their answers (each engine answers
+    once it received and loaded the bucket)."""
+    from rollout.weight_group import dtype_name
+
+    return client.update_weights_from_distributed(
+        [n for n, _ in named_tensors], [dtype_name(t.dtype) for _, t in named_tensors],
+        [list(t.shape) for _, t in named_tensors], group_name, weight_version=weight_version,
+        load_format="flattened_bucket" if flattened else None, timeout_s=timeout_s,
+    )

@@ -1,14 +1,19 @@
-"""The sender's bucket pipeline: the caller's thread iterates the export and writes each
-tensor straight into a reused bucket buffer while one sender thread announces and
-broadcasts the previous bucket.
+"""The sender's bucket pipelines.
 
-Two buffers alternate; a buffer is written again only once the bucket it held was
-answered by every engine, and the one sender thread keeps the announcements in order,
-one at a time (an engine answers an announcement after it received and loaded the
-bucket; two announcements at once would deadlock it). The buffers live as long as the
-`BucketBuffers` that owns them, so later syncs allocate nothing.
+`BucketPipeline`: the caller's thread iterates the export and writes each tensor straight
+into a reused bucket buffer (flattened) or keeps it as it is (per tensor) while one sender
+thread announces and broadcasts the previous bucket. Two buffers alternate; a buffer is
+written again only once the bucket it held was answered by every engine, and the one
+sender thread keeps the announcements in order, one at a time (an engine answers an
+announcement after it received and loaded the bucket; two announcements at once would
+deadlock it). The buffers live as long as the `BucketBuffers` that owns them, so later
+syncs allocate nothing.
 
-Per-tensor buckets (not flattened) keep the exported tensors themselves (no copy).
+`StreamedBuckets` (per tensor, once the layout is known): each bucket is announced before
+its tensors are exported, from the (name, dtype, shape) list the previous sync recorded,
+and each exported tensor is broadcast (asynchronously) the moment the export yields it,
+out of its own memory: a parameter that is already laid out (at TP 1 everything but
+q/k/v) is sent without a copy, and the export of the next tensor overlaps the wire.
 """
 
 from __future__ import annotations
@@ -142,3 +147,174 @@ class BucketPipeline:
             future.result()
         except Exception as err:  # reported by the caller to every rank
             self.errors.append(f"{type(err).__name__}: {err}")
+
+
+# --- streamed per-tensor buckets -------------------------------------------------------
+
+Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]  # (name, dtype, shape) in send order
+
+
+def layout_entry(name: str, tensor: torch.Tensor) -> tuple[str, torch.dtype, tuple[int, ...]]:
+    return name, tensor.dtype, tuple(tensor.shape)
+
+
+def entry_bytes(entry) -> int:
+    _, dtype, shape = entry
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * dtype.itemsize
+
+
+def cut_buckets(layout: Layout, bucket_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) of each per-tensor bucket, cut as `BucketPipeline` cuts them."""
+    bounds, start, nbytes = [], 0, 0
+    for i, entry in enumerate(layout):
+        size = entry_bytes(entry)
+        if i > start and nbytes + size > bucket_bytes:
+            bounds.append((start, i))
+            start, nbytes = i, 0
+        nbytes += size
+    if start < len(layout):
+        bounds.append((start, len(layout)))
+    return bounds
+
+
+# announce(named): post one bucket's names/dtypes/shapes (meta tensors) to every engine;
+# a Future of their answers (they answer once the bucket is received and loaded).
+Announce = Callable[[list[tuple[str, torch.Tensor]]], Future]
+# broadcast(tensor): start sending one tensor to the engines; an object with .wait()
+Broadcast = Callable[[torch.Tensor], object]
+
+
+class StreamedBuckets:
+    """Per-tensor buckets of a known `layout` (the previous sync's), each announced when its
+    first tensor arrives and streamed tensor by tensor as `add` is called; the next bucket
+    is announced once every engine answered the previous one. Same interface as
+    `BucketPipeline` (add, failed, finish, buckets, sent_bytes).
+
+    `opened`: the update being opened (pause, flush, begin on the engines); until it is
+    done, the first bucket's tensors are kept as the export yields them, then announced and
+    sent at once (so the export starts while the engines are being paused).
+
+    The export must yield exactly `layout`. If it does not (a can't-happen: a different
+    model), the announced bucket is completed with zeros so that no engine waits for a
+    broadcast that never comes, and the sync fails (`layout_broken`; the caller re-plans)."""
+
+    def __init__(self, announce: Announce, broadcast: Broadcast, bucket_bytes: int, layout: Layout,
+                 timeout_s: float = 600.0, opened: Future | None = None):
+        self.announce, self.broadcast, self.layout, self.timeout_s = announce, broadcast, list(layout), timeout_s
+        self.opened = opened
+        self.held: list[tuple[str, torch.Tensor]] = []  # yielded before the update was open
+        self.bounds = cut_buckets(self.layout, bucket_bytes)
+        self.bucket_of_start = {start: k for k, (start, _) in enumerate(self.bounds)}
+        self.index = 0  # next position in the layout
+        self.open_end: int | None = None  # end of the announced bucket still being streamed
+        self.works: list[tuple[object, torch.Tensor]] = []  # broadcasts of the announced bucket
+        self.answer: Future | None = None
+        self.buckets = 0
+        self.sent_bytes = 0
+        self.errors: list[str] = []
+        self.layout_broken = False
+        self.device = torch.device("cpu")  # of the exported tensors (zeros go from there)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.errors)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.errors:
+            return
+        if self.opened is not None:
+            first_end = self.bounds[0][1] if self.bounds else 0
+            if not self.opened.done() and len(self.held) + 1 < first_end:
+                self.held.append((name, tensor))
+                return
+            self._release_held()
+            if self.errors:
+                return
+        self._add(name, tensor)
+
+    def _release_held(self) -> None:
+        """Wait until the update is open, then send what the export yielded meanwhile."""
+        opened, self.opened = self.opened, None
+        held, self.held = self.held, []
+        try:
+            opened.result(timeout=self.timeout_s)
+        except Exception as err:  # not open: announce nothing (the opener reports why)
+            self.errors.append(f"the update was not opened ({type(err).__name__})")
+            return
+        for name, tensor in held:
+            self._add(name, tensor)
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.errors:
+            return
+        i = self.index
+        if i >= len(self.layout) or self.layout[i] != layout_entry(name, tensor):
+            expected = self.layout[i][0] if i < len(self.layout) else "nothing more"
+            self._break(f"the export changed since the previous sync: {name!r} "
+                        f"{tuple(tensor.shape)} {tensor.dtype} where {expected!r} was announced")
+            return
+        if i in self.bucket_of_start:
+            self._complete()  # one announcement at a time
+            if self.errors:
+                return
+            start, end = self.bounds[self.bucket_of_start[i]]
+            named = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, dtype, shape in self.layout[start:end]]
+            try:
+                self.answer = self.announce(named)
+            except Exception as err:  # nothing was sent: nobody waits
+                self.errors.append(f"{type(err).__name__}: {err}")
+                return
+            self.open_end = end
+            self.buckets += 1
+        self.device = tensor.device
+        self._send(tensor)
+        self.index += 1
+        self.sent_bytes += tensor_bytes(tensor)
+        if self.index == self.open_end:
+            self.open_end = None
+
+    def finish(self, send_pending: bool = True) -> list[str]:
+        """Wait for the last bucket; the errors, if any. (`send_pending` is accepted for
+        `BucketPipeline`'s interface: an announced bucket is always completed.)"""
+        if self.opened is not None and not self.errors:
+            self._release_held()
+        if self.open_end is not None or (self.index < len(self.layout) and not self.errors and send_pending):
+            self._break(f"the export ended after {self.index} of the {len(self.layout)} tensors announced")
+        self._complete()
+        return self.errors
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        self.works.append((self.broadcast(tensor), tensor))  # the tensor lives until sent
+
+    def _break(self, why: str) -> None:
+        """Fill the announced bucket with zeros (the engines wait for it) and fail the sync."""
+        self.layout_broken = True
+        self.errors.append(why + "; the next sync announces each bucket after exporting it")
+        if self.open_end is not None:
+            for _, dtype, shape in self.layout[self.index:self.open_end]:
+                self._send(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.index, self.open_end = self.open_end, None
+
+    def _complete(self) -> None:
+        """Wait for the announced bucket's broadcasts (every one, also after a failure: they
+        read the tensors kept here) and for every engine's answer."""
+        works, self.works = self.works, []
+        answer, self.answer = self.answer, None
+        failures = []
+        for work, _ in works:
+            try:
+                work.wait()
+            except Exception as err:
+                failures.append(f"{type(err).__name__}: {err}")
+        self.errors += failures[:1]
+        if answer is not None:
+            try:
+                answer.result(timeout=self.timeout_s)
+            except Exception as err:
+                self.errors.append(f"{type(err).__name__}: {err}")

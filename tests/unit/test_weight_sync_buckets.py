@@ -1,6 +1,8 @@
-"""The sender's bucket pipeline (megatron_agent/weight_sync/buckets.py) and the engine's
+"""The sender's bucket pipelines (megatron_agent/weight_sync/buckets.py) and the engine's
 in-place receive planning (rollout/engine_weights.py), without process groups: what a
-fake sender receives, unflattened, equals the exported tensors exactly."""
+fake sender receives, unflattened, equals the exported tensors exactly; the streamed
+per-tensor buckets announce the recorded layout, send laid-out tensors from their own
+memory, and never leave an announced bucket short."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ import threading
 import pytest
 import torch
 
-from megatron_agent.weight_sync.buckets import BucketBuffers, BucketPipeline
+from megatron_agent.weight_sync.buckets import (
+    BucketBuffers,
+    BucketPipeline,
+    StreamedBuckets,
+    cut_buckets,
+    layout_entry,
+)
 from rollout.engine_weights import adoptable, storage_span
 from rollout.weight_group import unflatten_bucket
 
@@ -126,3 +134,122 @@ def test_only_whole_distinct_parameters_of_the_announced_dtype_are_adopted():
     assert not adoptable([p, p], [f32, f32], [[2, 3], [2, 3]])  # tied, twice in one bucket
     assert not adoptable([p.detach()[0], q], [f32, f32], [[3], [4]])  # a slice of a parameter
     assert not adoptable([p, q], [torch.bfloat16, f32], [[2, 3], [4]])  # would need a cast
+
+
+# --- streamed per-tensor buckets (StreamedBuckets) --------------------------------------
+
+
+class FakeWire:
+    """Stand-ins for the HTTP announcement and the async broadcast: records each announced
+    bucket, the bytes each broadcast carried and the memory it was sent from."""
+
+    def __init__(self, fail_announce_at: int | None = None):
+        self.announced: list[list[tuple[str, torch.dtype, tuple]]] = []
+        self.sent: list[torch.Tensor] = []
+        self.pointers: list[int] = []
+        self.open_answers = 0
+        self.most_open = 0
+        self.fail_announce_at = fail_announce_at
+
+    def announce(self, named):
+        assert all(t.device.type == "meta" for _, t in named)
+        if self.fail_announce_at is not None and len(self.announced) == self.fail_announce_at:
+            raise ConnectionError("engine gone")
+        self.announced.append([(n, t.dtype, tuple(t.shape)) for n, t in named])
+        self.open_answers += 1
+        self.most_open = max(self.most_open, self.open_answers)
+        wire = self
+
+        class Answer:  # answered when waited for, as an engine answers once it loaded the bucket
+            def result(self, timeout=None):
+                wire.open_answers -= 1
+                return ["ok"]
+        return Answer()
+
+    def broadcast(self, tensor):
+        assert tensor.is_contiguous()
+        self.pointers.append(tensor.data_ptr())
+        self.sent.append(tensor.clone())
+
+        class Done:
+            def wait(self):
+                return True
+        return Done()
+
+
+def stream(named, layout, bucket_bytes, wire):
+    pipeline = StreamedBuckets(wire.announce, wire.broadcast, bucket_bytes, layout)
+    for n, t in named:
+        pipeline.add(n, t)
+    return pipeline, pipeline.finish()
+
+
+def test_streamed_buckets_announce_the_recorded_layout_and_send_every_tensor_exactly():
+    named = exported(4)
+    layout = [layout_entry(n, t) for n, t in named]
+    wire = FakeWire()
+    pipeline, errors = stream(named, layout, 40, wire)
+    assert errors == []
+    # cut as the bucket pipeline cuts per-tensor buckets
+    recorder = RecordingSender()
+    run_pipeline(named, 40, False, BucketBuffers(), recorder)
+    assert [[n for n, *_ in b] for b in wire.announced] == [[n for n, _ in b] for b in recorder.buckets]
+    assert pipeline.buckets == len(wire.announced) == len(cut_buckets(layout, 40)) >= 5
+    assert wire.most_open == 1  # the next bucket is announced once the previous one was answered
+    assert pipeline.sent_bytes == sum(t.numel() * t.element_size() for _, t in named)
+    assert_exactly(list(zip([n for n, _ in named], wire.sent)), [(n, t.contiguous()) for n, t in named])
+    # laid-out tensors go from their own memory; only the strided ones were copied
+    for (_, t), pointer in zip(named, wire.pointers):
+        assert (pointer == t.data_ptr()) == t.is_contiguous()
+
+
+def test_streamed_buckets_fill_the_announced_bucket_when_the_export_changed():
+    named = exported(5)
+    layout = [layout_entry(n, t) for n, t in named]
+    changed = named[:2] + [("other.weight", torch.zeros(3, 3))] + named[3:]
+    wire = FakeWire()
+    pipeline, errors = stream(changed, layout, 10**6, wire)  # one bucket
+    assert pipeline.layout_broken and len(errors) == 1 and "'other.weight'" in errors[0]
+    assert len(wire.announced) == 1 and len(wire.sent) == len(layout)  # the engine got every announced tensor
+    assert [tuple(t.shape) for t in wire.sent] == [shape for _, _, shape in layout]
+    assert all(not t.any() for t in wire.sent[2:])  # zeros after the mismatch
+
+    short = StreamedBuckets(FakeWire().announce, (wire := FakeWire()).broadcast, 10**6, layout)
+    for n, t in named[:3]:
+        short.add(n, t)
+    assert "ended after 3 of the 7" in short.finish()[0] and len(wire.sent) == len(layout)
+
+
+def test_streamed_buckets_stop_after_a_failed_announcement():
+    named = exported(6)
+    layout = [layout_entry(n, t) for n, t in named]
+    wire = FakeWire(fail_announce_at=1)
+    pipeline, errors = stream(named, layout, 40, wire)
+    assert len(errors) == 1 and "engine gone" in errors[0]
+    assert len(wire.announced) == 1 and len(wire.sent) == cut_buckets(layout, 40)[0][1]  # nothing unannounced
+
+
+def test_streamed_buckets_hold_the_first_bucket_until_the_update_is_open():
+    from concurrent.futures import Future
+
+    named = exported(7)
+    layout = [layout_entry(n, t) for n, t in named]
+    opened, wire = Future(), FakeWire()
+    pipeline = StreamedBuckets(wire.announce, wire.broadcast, 10**6, layout, opened=opened)
+    for n, t in named[:3]:
+        pipeline.add(n, t)
+    assert wire.announced == [] and wire.sent == []  # pause, flush, begin still under way
+    opened.set_result(None)
+    for n, t in named[3:]:
+        pipeline.add(n, t)
+    assert pipeline.finish() == []
+    assert len(wire.announced) == 1
+    assert_exactly(list(zip([n for n, _ in named], wire.sent)), [(n, t.contiguous()) for n, t in named])
+
+    failed, wire = Future(), FakeWire()
+    failed.set_exception(ConnectionError("engine gone"))
+    pipeline = StreamedBuckets(wire.announce, wire.broadcast, 10**6, layout, opened=failed)
+    for n, t in named:
+        pipeline.add(n, t)
+    errors = pipeline.finish()
+    assert len(errors) == 1 and "not opened" in errors[0] and wire.announced == [] and wire.sent == []

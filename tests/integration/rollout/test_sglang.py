@@ -140,7 +140,8 @@ def test_greedy_logprobs_equal_transformers(sglang, model_dir):
 
 def _sync_and_compare(model_dir: str, urls: list[str]) -> dict:
     """On one gloo rank: move the actor's weights, sync them per tensor (version 1), then
-    move them again and sync flattened buckets (version 2); after each the server's greedy
+    move them again and sync flattened buckets (version 2), then per tensor again, streamed
+    from the layout the earlier syncs recorded (version 3); after each the server's greedy
     logprobs against the actor's recomputation."""
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.platform import ParallelConfig, init_distributed
@@ -166,17 +167,18 @@ def _sync_and_compare(model_dir: str, urls: list[str]) -> dict:
 
     sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=64 * 1024, timeout_s=120))
     out = {"server_ranks": client.server_ranks()}
-    for version, flattened in [(1, False), (2, True)]:
+    for version, flattened in [(1, False), (2, True), (3, False)]:
         batch = TrainBatch.from_sequences([torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(4)],
                                           [torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(4)],
                                           advantages=[1.0, -1.0, 0.5, 2.0])
         actor.update(batch)  # large lr: the weights move far from the server's
         stale, _ = engine_vs_actor()
         sync.config.flattened = flattened
+        streamed = not flattened and sync.layout is not None
         metrics = sync.sync(version=version)
         diff, versions = engine_vs_actor()
         out[version] = {"stale": stale, "diff": diff, "versions": versions, "metrics": metrics,
-                        "group": sync.group_name}
+                        "group": sync.group_name, "streamed": streamed}
     sync.close()  # the server outlives this trainer: leave no group behind
     client.close()
     return out
@@ -184,13 +186,14 @@ def _sync_and_compare(model_dir: str, urls: list[str]) -> dict:
 
 def _check_synced(out: dict, url: str, tp_size: int) -> None:
     assert out["server_ranks"] == {url: tp_size}
-    for version in (1, 2):
+    assert [out[v]["streamed"] for v in (1, 2, 3)] == [False, False, True]
+    for version in (1, 2, 3):
         result = out[version]
         assert result["stale"] > 1e-2, result  # the update moved the weights: the check can fail
         assert result["diff"] < 1e-4, result
         assert result["versions"] == {str(version)}
         assert result["metrics"]["weight_sync/bytes"] > 0 and result["metrics"]["weight_sync/buckets"] > 1
-    assert out[1]["group"] == out[2]["group"]  # the second sync reused the group
+    assert out[1]["group"] == out[2]["group"] == out[3]["group"]  # later syncs reused the group
 
 
 def test_weight_sync_per_tensor_and_flattened(sglang, model_dir):

@@ -1,6 +1,7 @@
 """FP8 rollout weights end to end on the CPU: an embedded engine started from the block-FP8
 checkpoint receives the actor's weights as float8_e4m3fn + weight_scale_inv (flattened
-buckets small enough to split a weight from its scale, then per tensor), dequantizes them,
+buckets small enough to split a weight from its scale, then per tensor, then per tensor
+streamed from the layout the previous sync recorded), dequantizes them,
 and its logprobs equal those of HF transformers loaded with the dequantized weights, while
 they differ from the fp32 actor's by the small gap FP8 costs."""
 
@@ -30,16 +31,17 @@ def _fp8_syncs(model_dir: str, urls: list[str]) -> list[dict]:
                   AlgorithmConfig(use_kl_loss=False, entropy_coef=0.0))
     g = torch.Generator().manual_seed(1)
     client = EngineClient(urls)
-    results = []
-    for step, flattened in enumerate([True, False]):
+    results, syncs = [], {}
+    for step, flattened in enumerate([True, False, False]):
         batch = TrainBatch.from_sequences([torch.randint(0, 800, (6,), generator=g).tolist() for _ in range(4)],
                                           [torch.randint(0, 800, (5,), generator=g).tolist() for _ in range(4)],
                                           advantages=[1.0 + step, -1.0, 0.5, 2.0])
         actor.update(batch)  # away from the checkpoint the engine started from
-        sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=20 * 1024, check=True, timeout_s=60,
-                                                        flattened=flattened, quantize="fp8"))
+        sync = syncs.get(flattened) or WeightSync(actor, urls, WeightSyncConfig(
+            bucket_bytes=20 * 1024, check=True, timeout_s=60, flattened=flattened, quantize="fp8"))
+        syncs[flattened] = sync
+        streamed = sync.layout is not None and not flattened  # the second per-tensor sync
         metrics = sync.sync(version=step + 1)  # check=True: the engine holds the dequantized weights
-        sync.close()
         outs = client.generate(PROMPTS, {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True,
                                          "sampling_seed": 3})
         sampled = TrainBatch.from_sequences(PROMPTS, [o.output_ids for o in outs],
@@ -49,7 +51,9 @@ def _fp8_syncs(model_dir: str, urls: list[str]) -> list[dict]:
         results.append({"outputs": [o.output_ids for o in outs], "engine": [o.logprobs for o in outs],
                         "actor": [row[m].tolist() for row, m in zip(actor_logprobs, mask)],
                         "weights": {n: t.detach().clone() for n, t in actor.named_hf_weights()},
-                        "buckets": metrics["weight_sync/buckets"]})
+                        "buckets": metrics["weight_sync/buckets"], "streamed": streamed})
+    for sync in syncs.values():
+        sync.close()
     return results
 
 
@@ -85,6 +89,7 @@ def test_fp8_sync_serves_the_dequantized_weights(tiny_model_dir, tmp_path):
     finally:
         stop_engines(engines)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert [r["streamed"] for r in results] == [False, False, True]
     for result in results:
         assert result["buckets"] >= 4  # small buckets: weights and their scales split across some
         state = {n: _reference_dequantized(w) if is_quantized_linear(n) else w for n, w in result["weights"].items()}

@@ -1,8 +1,10 @@
 """The pipelined weight sync, repeated: tiny buckets (many in flight), the sender's bucket
 buffers and the engine's parameters reused from one sync to the next (the second sync
-of a layout lands in place). After each of three syncs with different weights
-(flattened, flattened again, per tensor), the engine's logprobs on its own samples equal
-the actor's recomputed ones and the engine's checksums equal the actor's."""
+of a layout lands in place). After each of four syncs with different weights
+(flattened, flattened again, per tensor, per tensor streamed: announced from the layout
+the previous sync recorded, the laid-out parameters broadcast from their own memory),
+the engine's logprobs on its own samples equal the actor's recomputed ones and the
+engine's checksums equal the actor's."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ pytestmark = pytest.mark.multirank
 
 
 def _three_syncs(model_dir: str, urls: list[str]) -> dict:
+    import megatron_agent.weight_sync as weight_sync
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
@@ -24,6 +27,14 @@ def _three_syncs(model_dir: str, urls: list[str]) -> dict:
     from megatron_agent.weight_sync import WeightSync, WeightSyncConfig
     from rollout.engine_client import EngineClient
 
+    streamed = []
+    streamed_buckets = weight_sync.StreamedBuckets
+
+    def counting(*args, **kwargs):
+        streamed.append(1)
+        return streamed_buckets(*args, **kwargs)
+
+    weight_sync.StreamedBuckets = counting
     ctx = init_distributed(ParallelConfig(), seed=7)
     actor = Actor(model_dir, ctx.parallel, ActorConfig(lr=1e-2, use_distributed_optimizer=False),
                   AlgorithmConfig(use_kl_loss=False, entropy_coef=0.0))
@@ -46,15 +57,18 @@ def _three_syncs(model_dir: str, urls: list[str]) -> dict:
         gap = rollout_logprob_gap(recomputed, sampled.rollout_logprobs, sampled.response_mask)
         return gap["check/rollout_logprob_max_abs_diff"]
 
-    flat = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=24 * 1024, check=True, timeout_s=60))
+    flat = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=24 * 1024, check=True, timeout_s=60,
+                                                    flattened=True))
     per_tensor = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=24 * 1024, check=True, timeout_s=60,
                                                           flattened=False))
-    out = {"gaps": [], "buckets": []}
+    out = {"gaps": [], "buckets": [], "streamed": []}
     buffers = None
-    for step, sync in enumerate([flat, flat, per_tensor]):
+    for step, sync in enumerate([flat, flat, per_tensor, per_tensor]):
         move_the_actor(1.0 + step)
         out["stale_gap_before_sync"] = engine_vs_actor()
+        before = len(streamed)
         metrics = sync.sync(version=step)  # check=True: raises if any checksum differs
+        out["streamed"].append(len(streamed) - before)
         out["gaps"].append(engine_vs_actor())
         out["buckets"].append(metrics["weight_sync/buckets"])
         if sync is flat:
@@ -77,3 +91,4 @@ def test_repeated_pipelined_syncs_deliver_each_new_set_of_weights(tiny_model_dir
     assert out["stale_gap_before_sync"] > 1e-3, out  # the actor moved: the comparison can fail
     assert max(out["gaps"]) < 1e-4, out
     assert out["buffers_kept"], out
+    assert out["streamed"] == [0, 0, 0, 1], out  # the second per-tensor sync streamed

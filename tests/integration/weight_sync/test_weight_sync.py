@@ -2,8 +2,9 @@
 
 After an update and a sync, the engine generates with the new weights: its logprobs on
 its own samples equal the actor's recomputed logprobs within 1e-4, and the check mode's
-checksums agree. An engine killed before a sync makes the sync fail with its URL named;
-a restarted engine then syncs.
+checksums agree. An engine killed after the first bucket of a sync makes the sync fail
+with its URL named, whether the buckets are announced after their export or streamed
+from the recorded layout; a restarted engine then syncs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ CASES = [("qwen3", 1, {}), ("qwen3", 2, {"tp": 2}), ("qwen3", 2, {"pp": 2}), ("q
 
 def _sync_and_compare(model_dir: str, urls: list[str], layout: dict, check: bool = True, bound: float = 1e-4) -> dict:
     """Update the actor far from the engines' weights, sync, and compare the engines'
-    logprobs with the actor's (`check`: the engines' checksums too, an embedded-engine route)."""
+    logprobs with the actor's (`check`: the engines' checksums too, an embedded-engine route).
+    Then again: the second sync streams per tensor from the layout the first one recorded."""
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
@@ -63,8 +65,18 @@ def _sync_and_compare(model_dir: str, urls: list[str], layout: dict, check: bool
     metrics = sync.sync(version=1)
     outs, gap = engine_vs_actor()
     check_rollout_logprobs(gap, max_abs_diff=bound)
-    return {"max_diff": gap["check/rollout_logprob_max_abs_diff"], "stale_error": stale_error,
-            "versions": {o.weight_version for o in outs}, "metrics": metrics}
+    out = {"max_diff": gap["check/rollout_logprob_max_abs_diff"], "stale_error": stale_error,
+           "versions": {o.weight_version for o in outs}, "metrics": metrics}
+    batch.advantages = -batch.advantages
+    actor.update(batch)
+    streamed = sync.layout is not None  # the source rank's view (other ranks never stream)
+    sync.sync(version=2)
+    outs, gap = engine_vs_actor()
+    check_rollout_logprobs(gap, max_abs_diff=bound)
+    out["second"] = {"max_diff": gap["check/rollout_logprob_max_abs_diff"], "streamed": streamed,
+                     "versions": {o.weight_version for o in outs}}
+    sync.close()
+    return out
 
 
 @pytest.mark.parametrize("family, world, layout", CASES, ids=[f"{f}-{lay or 'tp1'}" for f, _, lay in CASES])
@@ -79,10 +91,13 @@ def test_engine_matches_actor_after_sync(tiny_model_dir, tmp_path, family, world
     assert out["versions"] == {"1"}
     assert out["metrics"]["weight_sync/buckets"] > 1 and out["metrics"]["weight_sync/bytes"] > 0
     assert out["max_diff"] < 1e-4, out
+    assert out["second"]["streamed"] and out["second"]["versions"] == {"2"}, out  # rank 0: stage 0's source
+    assert out["second"]["max_diff"] < 1e-4, out
     assert out["stale_error"] and "differ from the rollout engine's" in out["stale_error"]
 
 
-def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int, restart_dir: str) -> dict:
+def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int, restart_dir: str,
+                               streamed: bool) -> dict:
     import os
     import signal
 
@@ -91,28 +106,47 @@ def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int,
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
     from megatron_agent.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+    from megatron_agent.weight_sync.buckets import StreamedBuckets
     from rollout.engine_launch import launch_engines, stop_engines
 
     ctx = init_distributed(ParallelConfig(), seed=7)
     actor = Actor(model_dir, ctx.parallel, ActorConfig(), AlgorithmConfig(use_kl_loss=False))
     sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=16 * 1024, timeout_s=20))
-    send, sent = weight_sync.send_weights, []
+    sent = []
+    if streamed:
+        sync.sync(version=0)  # records the layout: the next sync streams
+        owner, attr = StreamedBuckets, "_complete"
 
-    def send_then_kill(*args, **kwargs):  # the engine dies after the first bucket landed
-        out = send(*args, **kwargs)
-        sent.append(1)
-        if len(sent) == 1:
-            os.kill(victim_pid, signal.SIGKILL)
-        return out
+        def then_kill(original):
+            def complete(self):  # the engine dies after the first bucket was answered
+                answered = self.answer is not None
+                original(self)
+                if answered:
+                    sent.append(1)
+                    if len(sent) == 1:
+                        os.kill(victim_pid, signal.SIGKILL)
+            return complete
+    else:
+        owner, attr = weight_sync, "send_weights"
 
-    weight_sync.send_weights = send_then_kill
+        def then_kill(original):
+            def send(*args, **kwargs):  # the engine dies after the first bucket landed
+                out = original(*args, **kwargs)
+                sent.append(1)
+                if len(sent) == 1:
+                    os.kill(victim_pid, signal.SIGKILL)
+                return out
+            return send
+
+    original = getattr(owner, attr)
+    setattr(owner, attr, then_kill(original))
     try:
         sync.sync(version=1)
         return {"error": None}
     except WeightSyncError as err:
         message = str(err)
     finally:
-        weight_sync.send_weights = send
+        setattr(owner, attr, original)
     restarted = launch_engines(restart_dir, 1)
     try:
         sync.set_engines([urls[0], restarted[0].url])
@@ -122,11 +156,12 @@ def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int,
     return {"error": message, "buckets_before_failure": len(sent), "second": metrics}
 
 
-def test_engine_dying_mid_sync_is_named_and_a_restarted_one_syncs(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("streamed", [False, True], ids=["announced_after_export", "streamed"])
+def test_engine_dying_mid_sync_is_named_and_a_restarted_one_syncs(tiny_model_dir, tmp_path, streamed):
     engines = launch_engines(tiny_model_dir("qwen3"), 2, log_dir=tmp_path)
     try:
         out = run_on_ranks(_sync_with_an_engine_dying, 1, str(tiny_model_dir("qwen3")),
-                           [e.url for e in engines], engines[1].pid, str(tiny_model_dir("qwen3")),
+                           [e.url for e in engines], engines[1].pid, str(tiny_model_dir("qwen3")), streamed,
                            timeout_s=300)[0]
     finally:
         stop_engines(engines)
