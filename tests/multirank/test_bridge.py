@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_agent.platform.launch import run_on_ranks
+from tests.multirank.exports import assert_round_trip, layout_name
 
 pytestmark = pytest.mark.multirank
 
@@ -23,9 +24,6 @@ LAYOUTS = {
 }
 RESHARD_LAYOUTS = [dict(), dict(pp=2)]  # loads of the TP=2 checkpoint
 
-
-def _name(layout: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in layout.items()) or "tp=1"
 
 
 def _logits_at(layout: dict, world: int, model_dir: str, ids, vocab: int, load) -> tuple:
@@ -70,7 +68,7 @@ def _worker(model_dirs: dict, ckpt_root: str) -> dict:
             if layout == dict(tp=2):
                 os.makedirs(ckpt, exist_ok=True)
                 dist_checkpointing.save(model_state(chunks), ckpt)
-            results[_name(layout)] = {
+            results[layout_name(layout)] = {
                 "exported": exported,
                 "logit_diff": None if logits is None else float((logits - hf_logits).abs().max()),
             }
@@ -78,7 +76,7 @@ def _worker(model_dirs: dict, ckpt_root: str) -> dict:
 
         for layout in RESHARD_LAYOUTS:
             _, logits = at(layout, load=partial(load_mcore_checkpoint, mcore_dir=ckpt))
-            results["reshard " + _name(layout)] = {
+            results["reshard " + layout_name(layout)] = {
                 "logit_diff": None if logits is None else float((logits - hf_logits).abs().max()),
             }
             destroy_model_parallel()
@@ -102,25 +100,14 @@ def _layouts(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_is_bit_identical(bridge_results, family):
-    from safetensors.torch import load_file
-
     dirs, per_rank = bridge_results
-    original = load_file(f"{dirs[family]}/model.safetensors")
-    for layout in _layouts(family):
-        exported = {}
-        for rank_results in per_rank:
-            for name, tensor in rank_results[family][_name(layout)]["exported"].items():
-                assert name not in exported, f"{name} exported by two ranks at {layout}"
-                exported[name] = tensor
-        assert exported.keys() == original.keys(), (layout, exported.keys() ^ original.keys())
-        for name, tensor in original.items():
-            assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), (layout, name)
+    assert_round_trip(dirs[family], per_rank, family, _layouts(family))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(bridge_results, family):
     _, per_rank = bridge_results
-    names = [_name(layout) for layout in _layouts(family)] + ["reshard " + _name(x) for x in RESHARD_LAYOUTS]
+    names = [layout_name(layout) for layout in _layouts(family)] + ["reshard " + layout_name(x) for x in RESHARD_LAYOUTS]
     for name in names:
         diffs = [r[family][name]["logit_diff"] for r in per_rank if r[family][name]["logit_diff"] is not None]
         assert diffs, f"no rank produced logits for {family} {name}"

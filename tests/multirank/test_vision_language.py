@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_agent.platform.launch import run_on_ranks
+from tests.multirank.exports import assert_round_trip, layout_name
 from tests.vlm_batch import vlm_batch
 
 pytestmark = pytest.mark.multirank
@@ -22,9 +23,6 @@ MOE_LAYOUTS = [dict(), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(ep=2
 def _layouts(family: str) -> list[dict]:
     return MOE_LAYOUTS if "moe" in family else LAYOUTS
 
-
-def _name(layout: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in layout.items()) or "tp=1"
 
 
 def _worker(model_dirs: dict) -> dict:
@@ -60,7 +58,7 @@ def _worker(model_dirs: dict) -> dict:
             chunks = build_model(model_dir, parallel, training=False)
             load_hf_weights(chunks, model_dir)
             logits = micro_batch_logits(chunks, micro_batches, hf["vocab_size"])
-            results[_name(layout)] = {
+            results[layout_name(layout)] = {
                 "exported": {k: v.clone() for k, v in export_hf_weights(chunks, hf)},
                 "logit_diff": None if logits is None else float((logits - hf_logits)[real].abs().max()),
             }
@@ -96,26 +94,15 @@ def vlm_results(tiny_model_dir):
 def test_logits_match_transformers(vlm_results, family):
     _, per_rank = vlm_results
     for layout in _layouts(family):
-        diffs = [r[family][_name(layout)]["logit_diff"] for r in per_rank]
+        diffs = [r[family][layout_name(layout)]["logit_diff"] for r in per_rank]
         diffs = [d for d in diffs if d is not None]
         assert diffs and max(diffs) < 1e-4, (family, layout, diffs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_is_bit_identical(vlm_results, family):
-    from safetensors.torch import load_file
-
     dirs, per_rank = vlm_results
-    original = load_file(f"{dirs[family]}/model.safetensors")
-    for layout in _layouts(family):
-        exported = {}
-        for rank_results in per_rank:
-            for name, tensor in rank_results[family][_name(layout)]["exported"].items():
-                assert name not in exported, f"{name} exported by two ranks at {layout}"
-                exported[name] = tensor
-        assert exported.keys() == original.keys(), (layout, exported.keys() ^ original.keys())
-        for name, tensor in original.items():
-            assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), (layout, name)
+    assert_round_trip(dirs[family], per_rank, family, _layouts(family))
 
 
 def test_deepstack_split_from_the_vision_tower_is_refused(vlm_results):

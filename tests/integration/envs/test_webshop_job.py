@@ -17,4 +17,4 @@ def test_train_two_iterations_on_webshop(tmp_path):
         assert row["train/episode_length"] <= 3
         assert any(k.startswith("train/success_rate/") for k in row)  # per product category
     text = (tmp_path / "samples" / "iter_000001.txt").read_text()
-    assert "=== episode" in text and "observation: search" in text  # the page state (anchor) is logged
+    assert "=== episode" in text and "anchor: search" in text  # the page state (GiGPO's anchor) is logged
