@@ -80,9 +80,17 @@ def test_bad_config_fails_before_anything_starts_naming_the_key(tmp_path, overri
     assert not (tmp_path / "model").exists()  # no model, engine or rank was started
 
 
-def _kill_test_settings(seed: int) -> list[str]:
-    return ["num_groups=4", "group_size=4", "stop_success=null", f"seed={seed}", "iterations=5", "save_every=2",
-            "val_every=0", "samples_every=0"]
+KILL_TEST_SETTINGS = ["num_groups=4", "group_size=4", "stop_success=null", "seed=4", "iterations=5", "save_every=2",
+                      "val_every=0", "samples_every=0"]
+
+
+@pytest.fixture(scope="module")
+def clean_dir(tmp_path_factory):
+    """The uninterrupted run both SIGKILL tests compare with (the same settings), run once."""
+    run_dir = tmp_path_factory.mktemp("clean")
+    clean = run_cli("train", f"run_dir={run_dir}", *KILL_TEST_SETTINGS)
+    assert clean.returncode == 0, clean.stderr
+    return run_dir
 
 
 def _resume_reproduces(run_dir, clean_dir, common: list[str]) -> None:
@@ -97,10 +105,8 @@ def _resume_reproduces(run_dir, clean_dir, common: list[str]) -> None:
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
 
 
-def test_sigkill_mid_run_then_resume_reproduces_the_uninterrupted_run(tmp_path):
-    common = _kill_test_settings(seed=4)
-    clean = run_cli("train", f"run_dir={tmp_path / 'clean'}", *common)
-    assert clean.returncode == 0, clean.stderr
+def test_sigkill_mid_run_then_resume_reproduces_the_uninterrupted_run(tmp_path, clean_dir):
+    common = KILL_TEST_SETTINGS
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "megatron_agent.cli", "train", f"run_dir={run_dir}", *common],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -113,7 +119,7 @@ def test_sigkill_mid_run_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its engine process, mid-run
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    _resume_reproduces(run_dir, tmp_path / "clean", common)
+    _resume_reproduces(run_dir, clean_dir, common)
 
 
 KILL_INSIDE_THE_SECOND_SAVE = """
@@ -134,12 +140,10 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
-def test_sigkill_inside_a_checkpoint_save_then_resume_from_the_last_complete_one(tmp_path):
+def test_sigkill_inside_a_checkpoint_save_then_resume_from_the_last_complete_one(tmp_path, clean_dir):
     import psutil
 
-    common = _kill_test_settings(seed=6)
-    clean = run_cli("train", f"run_dir={tmp_path / 'clean'}", *common)
-    assert clean.returncode == 0, clean.stderr
+    common = KILL_TEST_SETTINGS
     run_dir = tmp_path / "killed"
     with open(tmp_path / "killed.log", "w") as log:
         killed = subprocess.Popen([sys.executable, "-c", KILL_INSIDE_THE_SECOND_SAVE, f"run_dir={run_dir}", *common],
@@ -159,5 +163,5 @@ def test_sigkill_inside_a_checkpoint_save_then_resume_from_the_last_complete_one
             pass
     assert not left, left
 
-    _resume_reproduces(run_dir, tmp_path / "clean", common)
+    _resume_reproduces(run_dir, clean_dir, common)
     assert (checkpoints / "iter_000004" / "megatron_agent.json").exists()

@@ -124,12 +124,23 @@ def _run_killing_the_engine_after(overrides: list[str], kill_after: int) -> list
     return train(load_run_config(overrides), on_iteration=kill_engine)
 
 
-def test_a_dead_engine_is_restarted_and_the_iteration_retried(tmp_path):
-    common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=5", "iterations=3", "val_every=0"]
-    clean = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'clean'}", *common], timeout_s=300)[0]
-    killed = run_on_ranks(_run_killing_the_engine_after, 1, [f"run_dir={tmp_path / 'killed'}", *common], 0,
-                          timeout_s=300)[0]
+DEAD_ENGINE_SETTINGS = ["num_groups=4", "group_size=4", "stop_success=null", "seed=5", "val_every=0"]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """The uninterrupted run the dead-engine tests compare with, run once for both: 4
+    iterations (a run's first iterations do not depend on how many follow them)."""
+    run_dir = tmp_path_factory.mktemp("clean")
+    return run_on_ranks(_run, 1, [f"run_dir={run_dir}", "iterations=4", *DEAD_ENGINE_SETTINGS], timeout_s=300)[0]
+
+
+def test_a_dead_engine_is_restarted_and_the_iteration_retried(tmp_path, clean_run):
+    killed = run_on_ranks(_run_killing_the_engine_after, 1, [f"run_dir={tmp_path / 'killed'}", "iterations=3",
+                                                            *DEAD_ENGINE_SETTINGS], 0, timeout_s=300)[0]
     assert [row["engine/restarts"] for row in killed] == [0, 1, 1]
+    clean = clean_run[:3]
+    assert [row["iteration"] for row in clean] == [0, 1, 2]
     for a, b in zip(clean, killed):  # the retried iteration is the one that would have run
         for key in ("train/success_rate", "train/episode_return", "actor/pg_loss", "actor/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
@@ -162,10 +173,10 @@ def test_multi_rank_trainers_reproduce_the_single_rank_run(tmp_path):
     assert "val/success_rate" in pp2[1] and pp2[-1]["weight_sync/bytes"] == single[-1]["weight_sync/bytes"]
 
 
-def test_a_dead_engine_is_restarted_under_a_multi_rank_trainer_and_under_ray(tmp_path):
+def test_a_dead_engine_is_restarted_under_a_multi_rank_trainer_and_under_ray(tmp_path, clean_run):
     """Rank 0 restarts the engine; both ranks re-sync their shards to it and the step is retried."""
-    common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=5", "iterations=4", "val_every=0"]
-    clean = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'clean'}", *common], timeout_s=300)[0]
+    common = ["iterations=4", *DEAD_ENGINE_SETTINGS]
+    clean = clean_run
     killed = run_on_ranks(_run_killing_the_engine_after, 1, [f"run_dir={tmp_path / 'killed'}", "parallel.tp=2",
                                                             "placement.trainer_ranks=2", *common], 0,
                           timeout_s=300)[0]

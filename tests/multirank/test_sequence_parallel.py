@@ -11,6 +11,11 @@ on 4 ranks. The batch's micro-batches have odd widths, so sequence parallelism p
   (its KL term is non-zero) too;
 - the dense job also pads TP=1 to 16 columns (FP8's alignment) and gets TP=1's numbers,
   and runs the critic at TP=2+SP (values before and after an update).
+
+Two checks of the layer below ride on these jobs, so as not to start ranks of their own
+(a rank's start-up, its imports, costs more than the check): the dense job gathers uneven
+sequence pieces over its TP group (what the MoE dispatcher does), and the 4-rank job
+scatters a batch to its two data-parallel ranks of TP=2 (training/batch.py).
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ from megatron_agent.platform.launch import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
-# case -> (family, layout, ranks)
+# case -> (family, layout, ranks, the job's extra checks)
 CASES = {
-    "qwen3 tp=2 sp": ("qwen3", dict(tp=2, sequence_parallel=True), 2),
-    "qwen3_moe tp=2 ep=2 etp=1 sp": ("qwen3_moe", dict(tp=2, ep=2, etp=1, sequence_parallel=True), 2),
+    "qwen3 tp=2 sp": ("qwen3", dict(tp=2, sequence_parallel=True), 2, ("padding and critic", "uneven gather")),
+    "qwen3_moe tp=2 ep=2 etp=1 sp": ("qwen3_moe", dict(tp=2, ep=2, etp=1, sequence_parallel=True), 2, ()),
     # expert TP 2 as well: 4 ranks (about a minute on 2 cores). The dispatcher gathers
     # uneven pieces over expert TP, which gloo needs the CPU layer for.
-    "qwen3_moe tp=2 ep=2 etp=2 sp": ("qwen3_moe", dict(tp=2, ep=2, sequence_parallel=True), 4),
+    "qwen3_moe tp=2 ep=2 etp=2 sp": ("qwen3_moe", dict(tp=2, ep=2, sequence_parallel=True), 4, ("batch scatter",)),
 }
 TEMPERATURE = 0.9
 MAX_TOKENS = 32
@@ -46,7 +51,7 @@ def _batch(vocab: int):
                                      temperature=TEMPERATURE)
 
 
-def _worker(model_dir: str, layout: dict, extra_checks: bool) -> dict:
+def _worker(model_dir: str, layout: dict, extras: tuple[str, ...]) -> dict:
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.models import read_hf_config
     from megatron_agent.platform import (
@@ -92,7 +97,11 @@ def _worker(model_dir: str, layout: dict, extra_checks: bool) -> dict:
 
     results["tp=1"] = run_actor({})
     results["sp"] = run_actor(layout)
-    if not extra_checks:
+    if "uneven gather" in extras:
+        results["uneven gather"] = _uneven_gather(ctx.world_size)
+    if "batch scatter" in extras:
+        results["batch scatter"] = _batch_scatter(ctx.world_size)
+    if "padding and critic" not in extras:
         return results
 
     # TP=1 padded to FP8's 16 columns: the padding must change nothing.
@@ -131,9 +140,9 @@ DENSE = "qwen3 tp=2 sp"
 
 @pytest.fixture(scope="module", params=list(CASES))
 def sp_results(request, tiny_model_dir):
-    family, layout, ranks = CASES[request.param]
+    family, layout, ranks, extras = CASES[request.param]
     model_dir = tiny_model_dir(family)
-    per_rank = run_on_ranks(_worker, ranks, str(model_dir), layout, request.param == DENSE, timeout_s=900)
+    per_rank = run_on_ranks(_worker, ranks, str(model_dir), layout, extras, timeout_s=900)
     return family, read_hf_config(model_dir)["vocab_size"], per_rank
 
 
@@ -213,27 +222,89 @@ def test_critic_under_sequence_parallelism_matches_tp1(sp_results):
                                                                    rel=1e-5)
 
 
-def _uneven_gather_worker() -> dict:
+def _uneven_gather(world_size: int) -> dict:
+    """In the dense job (2 ranks, TP=2)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    from megatron_agent.platform import ParallelConfig, init_distributed
+    from megatron_agent.platform import ParallelConfig, destroy_model_parallel, initialize_model_parallel
 
-    ctx = init_distributed(ParallelConfig(tp=2), seed=1)
+    initialize_model_parallel(ParallelConfig(tp=2), world_size)
+    rank = parallel_state.get_tensor_model_parallel_rank()
     sizes = [3, 5]  # what the MoE dispatcher gathers: each rank's own number of tokens
-    mine = torch.full((sizes[ctx.rank], 2), float(ctx.rank + 1), requires_grad=True)
+    mine = torch.full((sizes[rank], 2), float(rank + 1), requires_grad=True)
     gathered = gather_from_sequence_parallel_region(mine, group=parallel_state.get_tensor_model_parallel_group(),
                                                     output_split_sizes=sizes)
     (gathered * torch.arange(8.0)[:, None]).sum().backward()  # backward: an uneven reduce-scatter
-    return {"gathered": gathered.detach(), "grad": mine.grad}
+    destroy_model_parallel()
+    return {"rank": rank, "gathered": gathered.detach(), "grad": mine.grad}
 
 
-def test_uneven_sequence_gather_on_gloo():
-    per_rank = run_on_ranks(_uneven_gather_worker, 2, timeout_s=300)
+@pytest.mark.parametrize("sp_results", [DENSE], indirect=True)  # run in the dense job
+def test_uneven_sequence_gather_on_gloo(sp_results):
+    _, _, per_rank = sp_results
     expected = torch.cat([torch.full((3, 2), 1.0), torch.full((5, 2), 2.0)])
     weights = torch.arange(8.0)[:, None].expand(8, 2)
-    for rank, out in enumerate(per_rank):
+    assert [rank["uneven gather"]["rank"] for rank in per_rank] == [0, 1]
+    for rank, out in enumerate(rank["uneven gather"] for rank in per_rank):
         assert torch.equal(out["gathered"], expected)
         # both ranks computed the same loss: each slice's gradient is summed over the 2 ranks
         own = weights[:3] if rank == 0 else weights[3:]
         assert torch.equal(out["grad"], 2 * own)
+
+
+# Each data-parallel rank receives exactly its shard of the leader's batch, as tensors; its
+# TP peers receive the same one; per-sample rows go out and come back the same way.
+
+def _whole_batch():
+    from megatron_agent.training.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 50, (n,), generator=g).tolist() for n in (3, 6, 2, 5, 4)]
+    responses = [torch.randint(1, 50, (n,), generator=g).tolist() for n in (2, 1, 4, 3, 2)]
+    logprobs = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
+    return TrainBatch.from_sequences(prompts, responses, rollout_logprobs=logprobs, temperature=0.7)
+
+
+def _batch_scatter(world_size: int) -> dict:
+    """In the 4-rank job, at TP=2 (DP=2)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_agent.platform import ParallelConfig, destroy_model_parallel, initialize_model_parallel
+    from megatron_agent.training.batch import gather_rows, scatter_batch, scatter_rows
+
+    initialize_model_parallel(ParallelConfig(tp=2), world_size)
+    dp_size = ps.get_data_parallel_world_size()
+    leader = dist.get_rank() == 0
+    whole = _whole_batch() if leader else None
+    shard = scatter_batch(whole, dp_size)
+    advantages = torch.arange(5, dtype=torch.float32) * 10
+    rows = scatter_rows({"advantages": advantages} if leader else None, dp_size)
+    gathered = gather_rows(shard.positions().to(torch.float32) * 100, shard)
+    out = {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+           "dp_size": dp_size, "shard": shard.tensors(), "advantages": rows["advantages"], "gathered": gathered}
+    destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("sp_results", ["qwen3_moe tp=2 ep=2 etp=2 sp"], indirect=True)  # run in the 4-rank job
+def test_each_dp_rank_receives_its_shard_and_tp_peers_the_same(sp_results):
+    per_rank = [rank["batch scatter"] for rank in sp_results[2]]
+    assert len(per_rank) == 4
+    whole = _whole_batch()
+    assert {r["dp_size"] for r in per_rank} == {2}
+    for r in per_rank:
+        expected = whole.dp_shard(r["dp_rank"], 2).tensors()
+        assert r["shard"].keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(r["shard"][name], value), (r["dp_rank"], r["tp_rank"], name)
+        assert r["advantages"].tolist() == [10.0 * i for i in range(r["dp_rank"], 5, 2)]
+    by_dp = {}
+    for r in per_rank:
+        by_dp.setdefault(r["dp_rank"], []).append(r)
+    assert sorted(by_dp) == [0, 1] and all(len(peers) == 2 for peers in by_dp.values())
+    for peers in by_dp.values():  # TP peers: the same shard
+        assert torch.equal(peers[0]["shard"]["tokens"], peers[1]["shard"]["tokens"])
+    assert per_rank[0]["gathered"].tolist() == [0.0, 100.0, 200.0, 300.0, 400.0]  # on the leader, in order
+    assert all(r["gathered"] is None for r in per_rank[1:])

@@ -10,9 +10,11 @@
 
 The server runs from `.venv-sglang` (`make test` installs it: docs/testing.md) or the
 Python named by MEGATRON_AGENT_SGLANG_PYTHON. Without one these tests fail under CI=true
-and are skipped elsewhere, with the reason. One server runs at a time (an idle SGLang
-scheduler still polls a core): TP1 for the first tests, then TP2. They share one xdist
-group, so `-n 2` keeps them on one worker with their servers.
+and are skipped elsewhere, with the reason. One server runs at a time: TP1 for the first
+tests, then TP2. They share one xdist group, so `-n 2` keeps them on one worker with their
+servers. The servers run with `--sleep-on-idle`: without it an idle SGLang scheduler polls
+a core (15 s of CPU in 15 s idle, TP1 or TP2; 0.2-0.5 s with it), half of a 2-core
+machine, for as long as the server lives, while the tests train, compare and start ranks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rollout.engine_launch import (
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_cpu")]
 
 START_TIMEOUT_S = 600  # TP2 takes ~55 s to answer /health on an idle 2-core machine; more under load
+SERVER_ARGS = ("--sleep-on-idle",)  # the scheduler waits on its sockets instead of polling a core
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,7 @@ class Servers:
         if self.tp != tp_size:
             self.stop()
             self.server = start_sglang_cpu_server(self.model_dir, tp_size=tp_size, python=self.python,
+                                                  extra_args=SERVER_ARGS,
                                                   log_dir=self.log_dir, timeout_s=START_TIMEOUT_S)
             self.tp = tp_size
         return self.server
