@@ -80,14 +80,17 @@ def run_measured(setup: str) -> dict:
 def make_model(root: Path, layers: int, shard: int) -> Path:
     """A qwen3 model in fp32, re-sharded like a hub checkpoint."""
     from megatron_agent.models.bridge import SafetensorsCheckpoint
-    from megatron_agent.models.checkpoint import copy_hf_side_files, write_safetensors_shards
+    from megatron_agent.models.checkpoint import copy_hf_side_files
+    from megatron_agent.models.safetensors_io import TensorSpec, write_streamed_shards
     from megatron_agent.models.tiny import write_tiny_model
 
     single = write_tiny_model("qwen3", root / "single", num_hidden_layers=layers, **SIZES)
     hf_dir = root / "hf"
     hf_dir.mkdir()
     ckpt = SafetensorsCheckpoint(single)
-    write_safetensors_shards(((n, ckpt.get(n, "bench")) for n in sorted(ckpt.file_of)), hf_dir, shard)
+    names = sorted(ckpt.file_of)
+    specs = [TensorSpec(n, ckpt.entry(n, "bench").shape, ckpt.entry(n, "bench").dtype) for n in names]
+    write_streamed_shards(specs, ((n, ckpt.get(n, "bench")) for n in names), hf_dir, shard)
     copy_hf_side_files(single, hf_dir)
     shutil.rmtree(single)
     return hf_dir

@@ -123,11 +123,11 @@ def write_sample_episodes(run_dir: Path, iteration: int, episodes: list) -> None
                      f"return {first.episode_return:g}, won {steps[-1].won}, {len(steps)} steps")
         for s in steps:
             lines.append(f"--- step {s.step_index}: reward {s.reward:g}, valid {s.is_action_valid}")
-            observation = getattr(s, "observation", "") or s.anchor
+            observation = s.observation or s.anchor
             lines.append(f"observation: {observation}")
             if isinstance(s.anchor, str) and s.anchor != observation:  # the state GiGPO groups by
                 lines.append(f"anchor: {s.anchor}")
-            if getattr(s, "images", None):
+            if s.images:
                 lines.append("images: " + ", ".join("x".join(map(str, im.shape)) for im in s.images))
             lines.append(f"response: {s.response_text!r}")
         lines.append("")

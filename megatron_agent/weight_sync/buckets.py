@@ -18,6 +18,7 @@ q/k/v) is sent without a copy, and the export of the next tensor overlaps the wi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -160,10 +161,7 @@ def layout_entry(name: str, tensor: torch.Tensor) -> tuple[str, torch.dtype, tup
 
 def entry_bytes(entry) -> int:
     _, dtype, shape = entry
-    numel = 1
-    for s in shape:
-        numel *= s
-    return numel * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def cut_buckets(layout: Layout, bucket_bytes: int) -> list[tuple[int, int]]:
@@ -304,15 +302,14 @@ class StreamedBuckets:
     def _complete(self) -> None:
         """Wait for the announced bucket's broadcasts (every one, also after a failure: they
         read the tensors kept here) and for every engine's answer."""
+        from rollout.weight_group import wait_all
+
         works, self.works = self.works, []
         answer, self.answer = self.answer, None
-        failures = []
-        for work, _ in works:
-            try:
-                work.wait()
-            except Exception as err:
-                failures.append(f"{type(err).__name__}: {err}")
-        self.errors += failures[:1]
+        try:
+            wait_all([work for work, _ in works])
+        except Exception as err:
+            self.errors.append(f"{type(err).__name__}: {err}")
         if answer is not None:
             try:
                 answer.result(timeout=self.timeout_s)

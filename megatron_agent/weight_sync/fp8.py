@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,12 +45,6 @@ def quantize_named(name: str, tensor: torch.Tensor, block: tuple[int, int] = DEF
         return [(name, tensor)]
     q, scale_inv = quantize_block_fp8(tensor, block)
     return [(name, q), (scale_name(name), scale_inv)]
-
-
-def quantize_all(named: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int] = DEFAULT_BLOCK
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in named:
-        yield from quantize_named(name, tensor, block)
 
 
 def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, block: tuple[int, int] = DEFAULT_BLOCK) -> Path:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_agent.models.checkpoint import DTYPES, HF_SIDE_FILES, atomic_directory
+from megatron_agent.models.checkpoint import DTYPES, HF_SIDE_FILES, atomic_directory, hf_config_dtype
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,11 @@ def calibration_batches(tokenizer, texts: list[str], max_tokens: int = CALIBRATI
 
 def checkpoint_dtype(hf_dir: Path) -> torch.dtype:
     config = json.loads((hf_dir / "config.json").read_text())
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    by_torch_name = {str(d).removeprefix("torch."): d for d in DTYPES.values()}
-    if name not in by_torch_name:
-        raise ValueError(f"{hf_dir / 'config.json'}: dtype {name!r}; expected one of {sorted(by_torch_name)}")
-    return by_torch_name[name]
+    declared = hf_config_dtype(config)
+    if declared is None and (config.get("dtype") or config.get("torch_dtype")):
+        raise ValueError(f"{hf_dir / 'config.json'}: dtype {config.get('dtype') or config.get('torch_dtype')!r}; "
+                         f"expected one of {sorted(str(d).removeprefix('torch.') for d in DTYPES.values())}")
+    return DTYPES[declared or "fp32"]
 
 
 def tensor_names(hf_dir: Path) -> set[str]:
