@@ -66,7 +66,7 @@ test: $(TEST_EXTRAS_STAMP) $(SGLANG_STAMP) $(APPWORLD_STAMP)
 		$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
 
 test-fast: $(TEST_EXTRAS_STAMP)
-	$(PY) -m pytest -n 2 -m "not slow and not multirank" $(ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow and not multirank" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/tiny_forward_backward.py
