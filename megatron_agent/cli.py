@@ -76,6 +76,8 @@ def train(args) -> int:
     except ConfigError as err:
         print(f"error: bad configuration: {err}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        return show_resolved_config(config)
     print(f"megatron-agent train: {config.algorithm.advantage_estimator} on {config.env}, {config.num_groups} "
           f"groups x {config.group_size} episodes per iteration; run directory {config.run_dir}")
     bar = tqdm(total=config.iterations, unit="it", dynamic_ncols=True)
@@ -102,6 +104,26 @@ def train(args) -> int:
     if reached:
         print(f"reached a 3-iteration average success of 0.9 at iteration {reached[0]['iteration']} "
               f"({reached[0]['time/elapsed']:.0f} s)")
+    return 0
+
+
+def show_resolved_config(config) -> int:
+    """`train --dry-run`: the configuration as run_dir/config.json would hold it, then the layout."""
+    import dataclasses
+    import json
+
+    from megatron_agent.run_config import model_hf_config
+
+    print(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+    hf = model_hf_config(config)
+    print(f"model: {hf.get('model_type')} ({'with' if hf.get('vision_config') else 'no'} vision tower), "
+          f"{hf['num_hidden_layers']} layers", file=sys.stderr)
+    ranks, par = config.placement.trainer_ranks, config.parallel
+    print(f"layout: {ranks} trainer ranks = DP {par.data_parallel_size(ranks)} x TP {par.tp} x PP {par.pp}"
+          + (f"; experts: EP {par.ep} x expert TP {par.expert_tp} x expert DP {par.expert_data_parallel_size(ranks)}"
+             if par.ep > 1 else "")
+          + f"; {config.engine.num_engines} engines x {config.engine.gpus_per_engine} GPUs", file=sys.stderr)
+    print("configuration checked; nothing started (--dry-run)", file=sys.stderr)
     return 0
 
 
@@ -140,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("train", help="the main job; configs/config.yaml plus key=value overrides")
     p.add_argument("overrides", nargs="*", help="e.g. seed=1 algorithm=gigpo actor.lr=5e-4 run_dir=runs/x")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve and check the configuration (layout against placement.trainer_ranks and the "
+                        "model's config.json), print it as JSON and start nothing")
     p.set_defaults(func=train)
 
     p = sub.add_parser("plot", help="PNG curves comparing runs, and their phase timings")

@@ -14,7 +14,6 @@ value of the wrong type, an unknown group option, and combinations that cannot w
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,7 +189,8 @@ def validate_run_config(run: RunConfig) -> None:
 
 def validate_placement(run: RunConfig) -> None:
     """The parallel layout against the ranks and the model, where the engines go."""
-    from megatron_agent.models.tiny import PRESETS, TIED_EMBEDDINGS, TOKENIZER_KINDS
+    from megatron_agent.models.families import UnsupportedModelError
+    from megatron_agent.models.tiny import PRESETS, TIED_EMBEDDINGS, TOKENIZER_KINDS, VISION_FAMILIES
     from megatron_agent.models.transformer_config import validate_layout_for_model
     from megatron_agent.platform import ParallelLayoutError
 
@@ -208,18 +208,19 @@ def validate_placement(run: RunConfig) -> None:
         raise ConfigError(f"parallel: {err} (with placement.trainer_ranks={run.placement.trainer_ranks})") from None
     if run.model_dir is None:
         tiny = run.tiny_model
-        for key, value, allowed in (("family", tiny.family, sorted(TIED_EMBEDDINGS)),
+        for key, value, allowed in (("family", tiny.family, sorted({*TIED_EMBEDDINGS, *VISION_FAMILIES})),
                                     ("preset", tiny.preset, sorted(PRESETS)),
                                     ("tokenizer", tiny.tokenizer, sorted(TOKENIZER_KINDS))):
             if value not in allowed:
                 raise ConfigError(f"tiny_model.{key}={value!r}; choose one of {allowed}")
     elif not (Path(run.model_dir) / "config.json").is_file():
         raise ConfigError(f"model_dir={run.model_dir!r} has no config.json (an HF model directory is needed)")
-    hf = _model_hf_config(run)
+    hf = model_hf_config(run)
     try:
         validate_layout_for_model(hf, run.parallel, training=True)
-    except ParallelLayoutError as err:
+    except (ParallelLayoutError, UnsupportedModelError) as err:
         raise ConfigError(f"parallel: {err}") from None
+    validate_images_reach_the_model(run, hf)
     if run.engine.server not in ("embedded", "sglang"):
         raise ConfigError(f"engine.server={run.engine.server!r}; choose 'embedded' or 'sglang'")
     if not run.engine.urls:  # engines this run starts: refused before any process starts
@@ -247,7 +248,7 @@ def validate_quantized_rollout(run: RunConfig) -> None:
     if run.engine.dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"weight_sync.quantize=fp8 with engine.server=sglang needs engine.dtype bfloat16 or "
                           f"float16 (SGLang's FP8 layers refuse {run.engine.dtype})")
-    hf = _model_hf_config(run)
+    hf = model_hf_config(run)
     engine_tp = max(1, run.engine.gpus_per_engine)
     problems = sglang_fp8_problems(hf, engine_tp, engine_ep=_server_arg(run.engine.server_args, "--ep-size", 1))
     if problems:
@@ -255,14 +256,36 @@ def validate_quantized_rollout(run: RunConfig) -> None:
                           f"at engine TP {engine_tp} (engine.gpus_per_engine): {'; '.join(problems)}")
 
 
-def _model_hf_config(run: RunConfig) -> dict:
-    from megatron_agent.models.tiny import hf_config_for
+def validate_images_reach_the_model(run: RunConfig, hf: dict) -> None:
+    """An env whose prompts carry images (render_image, loop.prompt.max_images >= 1) needs a
+    vision-language model; a VLM on a text env is fine."""
+    from envs.registry import make_config
+
+    renders = bool(getattr(make_config(run.env, dict(run.env_config)), "render_image", False))
+    if renders and run.loop.prompt.max_images >= 1 and not hf.get("vision_config"):
+        model = run.model_dir or f"tiny_model.family={run.tiny_model.family!r}"
+        raise ConfigError(
+            f"env={run.env} with render_image=true puts images in the prompts, but the model ({model}, "
+            f"model_type={hf.get('model_type')!r}) has no vision tower: use a vision-language model "
+            "(model=qwen3-vl-30b-a3b, model=qwen3-vl-8b, tiny_model.family=qwen3_vl), or "
+            "env_config.render_image=false / loop.prompt.max_images=0 for text-only prompts")
+
+
+def model_hf_config(run: RunConfig) -> dict:
+    """The model's HF config as `read_hf_config` gives it: a VLM's text_config lifted to the
+    top, its vision_config kept (the tiny model's, made from the same functions as run_dir's)."""
+    from megatron_agent.models.tiny import VISION_FAMILIES, build_tokenizer, hf_config_for, vision_config_for
+    from megatron_agent.models.transformer_config import read_hf_config
 
     if run.model_dir is None:
         tiny = run.tiny_model
-        return hf_config_for(tiny.family, tiny.preset, num_hidden_layers=tiny.num_hidden_layers)
-    hf = json.loads((Path(run.model_dir) / "config.json").read_text())
-    return hf.get("text_config", hf)
+        if tiny.family in VISION_FAMILIES:
+            vision = vision_config_for(tiny.family, build_tokenizer(tiny.tokenizer, vision=True), tiny.preset,
+                                       num_hidden_layers=tiny.num_hidden_layers)
+            return read_hf_config({"model_type": tiny.family, **vision})
+        return {"model_type": tiny.family,
+                **hf_config_for(tiny.family, tiny.preset, num_hidden_layers=tiny.num_hidden_layers)}
+    return read_hf_config(Path(run.model_dir))
 
 
 def _server_arg(args, flag: str, default: int) -> int:

@@ -39,7 +39,7 @@ def prepare_run_dir(config) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     model_dir = model_dir_of(config)
     if not (Path(model_dir) / "config.json").exists():
-        tiny = config.tiny_model
+        tiny = config.tiny_model  # a text or a vision-language family (write_tiny_model makes both)
         write_tiny_model(tiny.family, model_dir, preset=tiny.preset, seed=config.seed, tokenizer=tiny.tokenizer,
                          num_hidden_layers=tiny.num_hidden_layers)
     if config.weight_sync.quantize == "fp8":

@@ -126,6 +126,12 @@ def _byte_level_bpe(words: list[str]):
 # use and its two actions, one token each, so that a random policy says "+" or "-"
 # often enough to learn from.
 JOB_WORDS = ["Target", "Current", ":", "+", "-", "user", "assistant", "system"] + [str(n) for n in range(21)]
+# Added to the word-level vocabulary of a vision-language model: VisualQuiz's choice names
+# (its colours and shapes, one token each, so that a random policy names a choice often
+# enough to learn from) and the nouns of its question.
+VISION_JOB_WORDS = ["red", "green", "blue", "yellow", "purple", "orange",
+                    "circle", "square", "triangle", "cross", "diamond", "ring",
+                    "Which", "colour", "shape", "image", "Choices"]
 TOKENIZER_KINDS = ("bpe", "words")
 
 
@@ -134,8 +140,9 @@ def build_tokenizer(kind: str = "bpe", vision: bool = False):
     chat template that places them).
 
     "bpe": byte-level BPE, any text encodes and decodes back exactly (the default).
-    "words": one token per word of JOB_WORDS (unknown words are [UNK]; decoding joins
-    words with spaces): a vocabulary of ~40, for models trained from scratch on CPU.
+    "words": one token per word of JOB_WORDS (with `vision`, and of VISION_JOB_WORDS;
+    unknown words are [UNK]; decoding joins words with spaces): a vocabulary of ~40
+    (~60 with `vision`), for models trained from scratch on CPU.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -147,7 +154,7 @@ def build_tokenizer(kind: str = "bpe", vision: bool = False):
         tok.decoder = decoders.ByteLevel()
         extra = {}
     elif kind == "words":
-        words = ["[UNK]"] + list(dict.fromkeys(JOB_WORDS))
+        words = ["[UNK]"] + list(dict.fromkeys(JOB_WORDS + (VISION_JOB_WORDS if vision else [])))
         tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         extra = {"unk_token": "[UNK]"}
@@ -231,13 +238,15 @@ def _fused_experts_to_hub_layout(path: Path) -> None:
 
 
 def write_tiny_vlm(family: str, out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
-                   dtype: torch.dtype = torch.float32, **overrides) -> Path:
+                   dtype: torch.dtype = torch.float32, tokenizer: str = "bpe", **overrides) -> Path:
     """A tiny vision-language model: config.json, weights under the checkpoint's own names
-    (what `save_pretrained` writes), preprocessor_config.json and the tokenizer."""
+    (what `save_pretrained` writes), preprocessor_config.json and the tokenizer (a kind
+    from TOKENIZER_KINDS)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer("bpe", vision=True)
+    tokenizer_kind = tokenizer
+    tokenizer = build_tokenizer(tokenizer_kind, vision=True)
     fields = vision_config_for(family, tokenizer, preset, **overrides)
     config = AutoConfig.for_model(family, **fields)
     with torch.random.fork_rng():
@@ -257,7 +266,8 @@ def write_tiny_vlm(family: str, out_dir: str | Path, *, preset: str = "tiny", se
         tokenizer.save_pretrained(tmp)
         image_processor_for(fields).save_pretrained(tmp)
         (tmp / "megatron_agent.json").write_text(json.dumps(
-            {"family": family, "preset": preset, "seed": seed, "tokenizer": "bpe", "overrides": overrides}, indent=2))
+            {"family": family, "preset": preset, "seed": seed, "tokenizer": tokenizer_kind, "overrides": overrides},
+            indent=2))
     log.info("wrote %s %s (%d parameters) to %s", family, preset, sum(p.numel() for p in model.parameters()), out_dir)
     return out_dir
 
@@ -277,7 +287,8 @@ def write_tiny_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if family in VISION_FAMILIES:
-        return write_tiny_vlm(family, out_dir, preset=preset, seed=seed, dtype=dtype, **overrides)
+        return write_tiny_vlm(family, out_dir, preset=preset, seed=seed, dtype=dtype, tokenizer=tokenizer,
+                              **overrides)
 
     out_dir = Path(out_dir)
     tokenizer_kind = tokenizer

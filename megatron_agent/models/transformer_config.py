@@ -108,6 +108,15 @@ def validate_layout_for_model(hf: dict, parallel: ParallelConfig, *, training: b
         ffn_hidden_size=hf.get("intermediate_size") if not num_experts(hf) else None,
         training=training,
     )
+    # DeepStack adds the tower's i-th feature map after LM layer i: layers 0..n-1 must be in
+    # the first model chunk, the one that runs the vision tower (vision_language.py).
+    taps = len((hf.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
+    first_chunk = hf["num_hidden_layers"] // (parallel.pp * (parallel.vpp or 1))
+    if taps and first_chunk < taps:
+        raise UnsupportedModelError(
+            f"deepstack adds visual features after language-model layers 0-{taps - 1}, which must sit on the first "
+            f"pipeline stage with the vision tower; pp={parallel.pp} x vpp={parallel.vpp or 1} gives its first chunk "
+            f"{first_chunk} of the {hf['num_hidden_layers']} layers: use fewer pipeline stages or virtual chunks")
 
 
 def transformer_config_from_hf(

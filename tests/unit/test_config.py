@@ -6,6 +6,7 @@ import re
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from megatron_agent.run_config import CONFIG_DIR, ConfigError, load_run_config
 
@@ -45,8 +46,10 @@ def test_every_env_config_loads_and_builds(env, tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=f"AppWorld data not found: '{tmp_path}' has no data/tasks"):
             load_run_config([f"env={env}"])
         (tmp_path / "data" / "tasks").mkdir(parents=True)
-    run = load_run_config([f"env={env}"])
-    assert run.env == env
+    preset = OmegaConf.load(CONFIG_DIR / "env" / f"{env}.yaml")
+    vlm = ["tiny_model.family=qwen3_vl", "tiny_model.tokenizer=bpe"] if preset.env_config.get("render_image") else []
+    run = load_run_config([f"env={env}", *vlm])  # an env with images needs a vision-language model
+    assert run.env == preset.env
     if env != "numberline":
         assert run.loop.prompt.include_instructions is True  # the job's bare prompt is numberline's
 

@@ -17,14 +17,32 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_agent.run_config import CONFIG_DIR, load_run_config
+from megatron_agent.run_config import CONFIG_DIR, ConfigError, load_run_config
 from tests.unit.test_config import QWEN3_8B, QWEN3_30B_A3B
 
 GROUPS = ("algorithm", "env", "model", "backend")
 OPTIONS = {group: sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")) for group in GROUPS}
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+# The published vision-language configs (config.json of Qwen/Qwen3-VL-30B-A3B-Instruct and
+# Qwen/Qwen3-VL-8B-Instruct, the fields a layout or a parameter count reads; docs/scale.md).
+QWEN3_VL_TOWER = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                      temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
+                      deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
+QWEN3_VL_30B_A3B = dict(
+    model_type="qwen3_vl_moe", tie_word_embeddings=False, image_token_id=151655,
+    text_config=dict(model_type="qwen3_vl_moe_text", num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                     head_dim=128, vocab_size=151936),
+    vision_config=dict(QWEN3_VL_TOWER, out_hidden_size=2048))
+QWEN3_VL_8B = dict(
+    model_type="qwen3_vl", tie_word_embeddings=False, image_token_id=151655,
+    text_config=dict(model_type="qwen3_vl_text", num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     hidden_size=4096, intermediate_size=12288, head_dim=128, vocab_size=151936),
+    vision_config=dict(QWEN3_VL_TOWER, out_hidden_size=4096))
 # Cluster presets: the published architecture (config.json only) and a layout's world size.
-CLUSTER_MODELS = {"qwen3-8b": (QWEN3_8B, 8), "qwen3-30b-a3b": (QWEN3_30B_A3B, 16)}
+CLUSTER_MODELS = {"qwen3-8b": (QWEN3_8B, 8), "qwen3-30b-a3b": (QWEN3_30B_A3B, 16),
+                  "qwen3-vl-8b": (QWEN3_VL_8B, 8), "qwen3-vl-30b-a3b": (QWEN3_VL_30B_A3B, 16)}
 INTERPOLATION = re.compile(r"^\$\{([\w.]+)\}$")
 
 
@@ -123,9 +141,11 @@ def assert_arrives(resolved, name, keys, model_dirs, overridden=()):
         assert lookup(resolved, key) == expected, f"{name}: {key}={expected!r} arrives as {lookup(resolved, key)!r}"
 
 
+# Envs whose prompts carry images resolve only with a vision-language model.
+IMAGE_ENVS = {e for e in OPTIONS["env"] if KEYS["env", e].get("env_config.render_image") is True}
 SELECTIONS = (
     [{**DEFAULTS, "algorithm": a} for a in OPTIONS["algorithm"]]
-    + [{**DEFAULTS, "env": e} for e in OPTIONS["env"]]
+    + [{**DEFAULTS, "env": e, **({"model": "qwen3-vl-8b"} if e in IMAGE_ENVS else {})} for e in OPTIONS["env"]]
     + [{**DEFAULTS, "model": m, "backend": b} for m in OPTIONS["model"] for b in OPTIONS["backend"]]
 )
 
@@ -172,3 +192,127 @@ def test_the_cluster_presets_keep_their_settings(model_dirs):
     cpu = load_run_config()
     assert (cpu.actor.lr, cpu.critic.lr, cpu.algorithm.entropy_coef) == (1e-3, 1e-3, 0.05)
     assert not cpu.algorithm.kl_loss_active and cpu.engine.gpus_per_engine == 0
+
+
+# ---- the vision-language presets: parameters, memory per GPU, what is refused -------------
+
+MEMORY_LINE = re.compile(
+    r"^#\s+(\d+) ranks, (\d+) tokens: ([\d.]+) B params; weights ([\d.]+), grads ([\d.]+), optimizer ([\d.]+), "
+    r"reference ([\d.]+), activations ([\d.]+) -> ([\d.]+) GiB \(fits: ([\w\- ]*)\)$", re.M)
+VLM_PRESETS = {"qwen3-vl-30b-a3b": QWEN3_VL_30B_A3B, "qwen3-vl-8b": QWEN3_VL_8B}
+IMAGE_TOKEN_FRACTION = 0.25  # the presets' stated assumption
+
+
+def test_vlm_parameter_counts_equal_transformers_own():
+    """The count the memory figures start from, against a meta-device transformers model of
+    the published configs (and the published totals: docs/scale.md, the 8B model card)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from megatron_agent.models.memory import parameter_counts
+    from megatron_agent.models.transformer_config import read_hf_config
+
+    published = {"qwen3-vl-30b-a3b": 31_070_754_032, "qwen3-vl-8b": 8_767_123_696}
+    for preset, hf in VLM_PRESETS.items():
+        fields = {k: v for k, v in hf.items() if k != "model_type"}
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(hf["model_type"], **fields))
+        counts = parameter_counts(read_hf_config(hf))
+        assert counts.total == sum(p.numel() for p in model.parameters()) == published[preset], preset
+        assert counts.vision == sum(p.numel() for p in model.model.visual.parameters()), preset
+
+
+def test_memory_arithmetic_matches_the_hand_computation_in_scale_md():
+    """docs/scale.md, by hand: Qwen3-30B-A3B at TP 4 x EP 8 on 256 GPUs holds 3.62 B expert +
+    0.39 B dense parameters a GPU: bf16 weights 8 GB, fp32 grads 16 GB, optimizer 1.4 GB."""
+    from megatron_agent.models.memory import training_memory
+    from megatron_agent.platform.parallel import ParallelConfig
+
+    layout = ParallelConfig(tp=4, ep=8, etp=1, sequence_parallel=True)
+    m = training_memory(QWEN3_30B_A3B, layout, 256, micro_batch_tokens=16384)
+    assert round(m.expert_parameters / 1e9, 2) == 3.62 and round(m.dense_parameters / 1e9, 2) == 0.39
+    assert (round(m.weights / 1e9), round(m.gradients / 1e9), round(m.optimizer / 1e9, 1)) == (8, 16, 1.4)
+    # activations: linear in the tokens, and TP divides every per-token tensor of the decoder
+    double = training_memory(QWEN3_30B_A3B, layout, 256, micro_batch_tokens=32768)
+    assert double.activations == pytest.approx(2 * m.activations, rel=1e-6)
+    tp8 = training_memory(QWEN3_30B_A3B, ParallelConfig(tp=8, ep=8, etp=1, sequence_parallel=True), 256,
+                          micro_batch_tokens=16384)
+    assert tp8.activations == pytest.approx(m.activations / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("preset", sorted(VLM_PRESETS))
+def test_vlm_preset_states_the_memory_it_resolves_to(preset, model_dirs):
+    """Every memory line in the file's comments is what training_memory gives for the
+    resolved layout, and the preset as shipped (its micro-batch, its fewest ranks) fits 80 GB."""
+    from megatron_agent.models.memory import GPU_MEMORY_GIB, training_memory
+    from megatron_agent.models.transformer_config import read_hf_config
+
+    text = (CONFIG_DIR / "model" / f"{preset}.yaml").read_text()
+    lines = MEMORY_LINE.findall(text)
+    assert len(lines) >= 2, f"{preset}.yaml states no memory figures"
+    hf = read_hf_config(VLM_PRESETS[preset])
+    fewest = CLUSTER_MODELS[preset][1]
+    run = load_run_config([f"model={preset}", "backend=gpu", f"model_dir={model_dirs[preset]}",
+                           f"placement.trainer_ranks={fewest}"])
+    for ranks, tokens, params, *gib, total, fits in lines:
+        m = training_memory(hf, run.parallel, int(ranks), micro_batch_tokens=int(tokens),
+                            image_token_fraction=IMAGE_TOKEN_FRACTION, kl_reference=run.algorithm.kl_loss_active)
+        line = f"{preset}: {ranks} ranks, {tokens} tokens"
+        assert f"{m.parameters / 1e9:.3f}" == params, line
+        computed = [m.gib(n) for n in ("weights", "gradients", "optimizer", "reference", "activations", "total")]
+        assert [f"{x:.1f}" for x in computed] == [*gib, total], line
+        assert fits.split() == [gpu for gpu in GPU_MEMORY_GIB if m.fits(gpu)], line
+    shipped = training_memory(hf, run.parallel, fewest, micro_batch_tokens=run.actor.max_tokens_per_micro_batch,
+                              image_token_fraction=IMAGE_TOKEN_FRACTION, kl_reference=run.algorithm.kl_loss_active)
+    assert shipped.fits("H100-80GB"), f"{preset} as shipped needs {shipped.gib('total'):.1f} GiB a GPU"
+    assert (str(fewest), str(run.actor.max_tokens_per_micro_batch)) in {(r, t) for r, t, *_ in lines}
+
+
+def test_vlm_presets_resolve_for_visual_sokoban(model_dirs):
+    run = load_run_config(["model=qwen3-vl-30b-a3b", "env=sokoban-visual", "backend=gpu",
+                           f"model_dir={model_dirs['qwen3-vl-30b-a3b']}", "placement.trainer_ranks=16"])
+    assert (run.parallel.tp, run.parallel.ep, run.parallel.etp, run.parallel.pp) == (4, 16, 1, 1)
+    assert run.parallel.sequence_parallel and run.parallel.expert_data_parallel_size(16) == 1
+    assert run.actor.lr == 1e-6 and run.engine.gpus_per_engine == 4 and run.algorithm.kl_loss_active
+    assert run.env == "sokoban" and run.env_config["render_image"] is True and run.loop.prompt.max_images == 1
+    with pytest.raises(ConfigError, match="etp\\*ep\\*pp = 1\\*16\\*1 = 16 does not divide the world size 8"):
+        load_run_config(["model=qwen3-vl-30b-a3b", "backend=gpu", f"model_dir={model_dirs['qwen3-vl-30b-a3b']}",
+                         "placement.trainer_ranks=8"])
+
+
+def test_an_image_env_refuses_a_text_model_and_a_vlm_takes_a_text_env(model_dirs):
+    for text_model in (["model=tiny"], ["model=qwen3-30b-a3b", "backend=gpu", f"model_dir={model_dirs['qwen3-30b-a3b']}",
+                                        "placement.trainer_ranks=16"]):
+        with pytest.raises(ConfigError, match="render_image=true puts images in the prompts.*no vision tower"):
+            load_run_config([*text_model, "env=sokoban-visual"])
+        load_run_config([*text_model, "env=sokoban-visual", "loop.prompt.max_images=0"])  # text-only prompts
+    with pytest.raises(ConfigError, match="env=numberline with render_image=true"):
+        load_run_config(["env_config.render_image=true"])
+    run = load_run_config(["model=qwen3-vl-8b", "env=sokoban", f"model_dir={model_dirs['qwen3-vl-8b']}",
+                           "placement.trainer_ranks=8"])
+    assert run.env_config["render_image"] is False
+
+
+def test_deepstack_layers_apart_from_the_tower_are_refused_at_config_time(model_dirs):
+    common = ["model=qwen3-vl-30b-a3b", "backend=gpu", f"model_dir={model_dirs['qwen3-vl-30b-a3b']}",
+              "parallel.tp=1", "parallel.ep=1", "parallel.sequence_parallel=false"]
+    # 48 layers over 24 stages: 2 with the tower, DeepStack needs layers 0-2 there
+    with pytest.raises(ConfigError, match="parallel: deepstack .* layers 0-2, .* first chunk 2 of the 48"):
+        load_run_config([*common, "parallel.pp=24", "placement.trainer_ranks=24"])
+    with pytest.raises(ConfigError, match="pp=4 x vpp=6 gives its first chunk 2"):
+        load_run_config([*common, "parallel.pp=4", "parallel.vpp=6", "placement.trainer_ranks=4"])
+    assert load_run_config([*common, "parallel.pp=16", "placement.trainer_ranks=16"]).parallel.pp == 16
+
+
+def test_a_tiny_vlm_is_a_run_configs_model_and_made_in_the_run_dir(tmp_path):
+    from megatron_agent.run_dir import prepare_run_dir
+
+    run = load_run_config(["tiny_model.family=qwen3_vl", "env=sokoban-visual", f"run_dir={tmp_path}", "seed=3"])
+    with pytest.raises(ConfigError, match="tiny_model.family='gpt2'; choose one of .*qwen3_vl_moe"):
+        load_run_config(["tiny_model.family=gpt2"])
+    prepare_run_dir(run)
+    made = json.loads((tmp_path / "model" / "megatron_agent.json").read_text())
+    assert (made["family"], made["seed"], made["tokenizer"]) == ("qwen3_vl", 3, "words")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl" and config["text_config"]["num_hidden_layers"] == 2
+    assert (tmp_path / "model" / "preprocessor_config.json").is_file()

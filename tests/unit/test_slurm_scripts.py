@@ -23,6 +23,7 @@ import pytest
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
 TRAIN = SLURM_DIR / "train.sbatch"
 FLEET = SLURM_DIR / "sglang_fleet.sbatch"
+RECIPE = SLURM_DIR / "gigpo_qwen3vl_moe.sbatch"
 
 LOG_CALL = 'name=$(basename "$0"); (IFS=$\'\\t\'; printf "%s\\n" "$name${IFS}$*") >>"$STUB_LOG"\n'
 LOG_ENV = ('echo "$name:$1 MEGATRON_AGENT_ENGINE_TOKEN=$MEGATRON_AGENT_ENGINE_TOKEN RAY_ADDRESS=$RAY_ADDRESS'
@@ -53,6 +54,7 @@ case "$1" in
 esac
 """,
     "megatron-agent": LOG_ENV + """
+if [ "$2" = "--dry-run" ] && [ -n "$STUB_DRY_RUN_FAIL" ]; then echo "error: bad configuration: parallel: stub" >&2; exit 2; fi
 if [ -e "$STUB_DIR/fail_once" ]; then rm "$STUB_DIR/fail_once"; exit 3; fi
 """,
     "python": "exec sleep 30 >/dev/null 2>&1 </dev/null\n",
@@ -373,3 +375,125 @@ def test_fleet_refuses_a_tp_size_that_does_not_divide_the_node(stubs):
     assert result.returncode != 0
     assert "TP_SIZE=3" in result.stderr
     assert calls(stubs, "srun") == []
+
+
+# ---- gigpo_qwen3vl_moe.sbatch: the recipe over train.sbatch --------------------------------
+
+
+def run_recipe(tmp_path: Path, *args: str, nodes: int = 4, **settings: str) -> subprocess.CompletedProcess:
+    """The recipe on `nodes` stub nodes; it finds train.sbatch under PROJECT_DIR (the test's folder)."""
+    (tmp_path / "slurm").mkdir(exist_ok=True)
+    if not (tmp_path / "slurm" / "train.sbatch").exists():
+        (tmp_path / "slurm" / "train.sbatch").symlink_to(TRAIN)
+    names = " ".join(f"node{i}" for i in range(1, nodes + 1))
+    env = base_env(tmp_path, **{"SLURM_JOB_NODELIST": f"node[1-{nodes}]", "STUB_NODES": names,
+                                "STUB_RAY_GPUS": str(8 * nodes), "SLURM_JOB_NAME": "gigpo-qwen3vl-moe",
+                                "MODEL_PATH": "/models/vl", **settings})
+    return subprocess.run(["bash", str(RECIPE), *args], env={k: v for k, v in env.items() if v is not None},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=30)
+
+
+def test_recipe_checks_its_configuration_then_trains_on_the_node_split(stubs):
+    result = run_recipe(stubs, "iterations=50")
+    assert result.returncode == 0, result.stderr
+    dry, train = calls(stubs, "megatron-agent")
+    recipe = ["algorithm=gigpo", "env=sokoban-visual", "model=qwen3-vl-30b-a3b", "model_dir=/models/vl", "iterations=50"]
+    assert train[1:] == [
+        "train", "backend=gpu", "placement.launcher=ray", "placement.ray_address=auto",
+        "placement.trainer_ranks=16",  # 2 of the 4 nodes train; the other 2 serve
+        "placement.gpus_per_trainer=1", "placement.colocate=false",
+        "engine.num_engines=4", "engine.gpus_per_engine=4",
+        f"run_dir={stubs}/runs/gigpo-qwen3vl-moe-4242", *recipe,
+    ]
+    # The dry run checked exactly what trains (less the run directory), before any srun.
+    assert dry[1:3] == ["train", "--dry-run"]
+    assert dry[3:] == [a for a in train[2:] if not a.startswith("run_dir=")]
+    rows = [row[0] for row in calls(stubs)]
+    assert rows.index("megatron-agent") < rows.index("srun")
+    assert "Ray cluster up: 32 GPUs on 4 nodes" in result.stdout
+    # The check ran with a stand-in key; Ray and the trainer get train.sbatch's fresh one.
+    keys = engine_keys(stubs)
+    (fresh,) = keys["megatron-agent:train"] - {"dry-run-check"}
+    assert "dry-run-check" in keys["megatron-agent:train"] and keys["ray:status"] == {fresh}
+    assert re.fullmatch(r"[0-9a-f]{64}", fresh)
+
+
+def test_recipe_stops_when_the_configuration_does_not_fit(stubs):
+    result = run_recipe(stubs, STUB_DRY_RUN_FAIL="1")
+    assert result.returncode == 2
+    assert "the configuration does not fit 4 nodes x 8 GPUs" in result.stderr
+    assert "parallel: stub" in result.stderr  # the dry run's own message stays in the log
+    assert len(calls(stubs, "megatron-agent")) == 1 and calls(stubs, "srun") == [] and calls(stubs, "ray") == []
+
+
+def test_recipe_dry_run_alone_on_a_login_node_reads_the_header(stubs):
+    result = run_recipe(stubs, DRY_RUN="true", SLURM_JOB_NODELIST=None)
+    assert result.returncode == 0, result.stderr
+    ((_, *argv),) = calls(stubs, "megatron-agent")
+    assert argv[:2] == ["train", "--dry-run"]
+    # #SBATCH --nodes=4 in the header: 2 nodes of trainer ranks, 2 of engines
+    assert {"placement.trainer_ranks=16", "engine.num_engines=4"} <= set(argv)
+    assert calls(stubs, "srun") == [] and calls(stubs, "scontrol") == []
+    result = run_recipe(stubs, DRY_RUN="true", SLURM_JOB_NODELIST=None, NODES="6", ENGINE_NODES="2")
+    assert result.returncode == 0, result.stderr
+    assert "placement.trainer_ranks=32" in calls(stubs, "megatron-agent")[-1]
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"MODEL_PATH": "/path/to/Qwen3-VL-30B-A3B"}, "MODEL_PATH=/path/to/Qwen3-VL-30B-A3B is a placeholder"),
+    ({"ENGINE_NODES": "4"}, "ENGINE_NODES=4 must leave at least one of the 4 nodes"),
+    ({"GPUS_PER_ENGINE": "3"}, "GPUS_PER_ENGINE=3 does not divide the engines' 16 GPUs"),
+    ({"DRY_RUN": "yes"}, "DRY_RUN='yes'"),
+    ({"SLURM_JOB_NODELIST": None}, "SLURM_JOB_NODELIST is not set"),
+])
+def test_recipe_bad_setting_fails_before_anything_runs(stubs, settings, named):
+    result = run_recipe(stubs, **settings)
+    assert result.returncode == 2 and named in result.stderr
+    assert calls(stubs, "megatron-agent") == [] and calls(stubs, "srun") == []
+
+
+def recipe_dry_run_argv(stubs: Path, nodes: int, **settings: str) -> list[str]:
+    """The `megatron-agent train --dry-run ...` command the recipe issues on `nodes` nodes."""
+    result = run_recipe(stubs, nodes=nodes, DRY_RUN="true", **settings)
+    assert result.returncode == 0, result.stderr
+    return calls(stubs, "megatron-agent")[-1][1:]
+
+
+@pytest.mark.parametrize(("nodes", "settings", "refused"), [
+    (4, {}, None),                       # 16 trainer ranks: TP 4 x EP 16
+    (6, {"ENGINE_NODES": "2"}, None),    # 32
+    (5, {}, "etp*ep*pp = 1*16*1 = 16 does not divide the world size 24"),  # 3 trainer nodes
+    (3, {"ENGINE_NODES": "2"}, "does not divide the world size 8"),
+])
+def test_recipe_dry_run_resolves_the_full_config_against_the_node_count(stubs, capsys, monkeypatch, nodes, settings,
+                                                                        refused):
+    """The real `megatron-agent train --dry-run` on the command the recipe builds, with the
+    published Qwen3-VL-30B-A3B config.json as the model."""
+    import json
+
+    from megatron_agent.cli import main
+    from tests.unit.test_presets import QWEN3_VL_30B_A3B
+
+    model = stubs / "Qwen3-VL-30B-A3B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_VL_30B_A3B))
+    argv = [a.replace("model_dir=/models/vl", f"model_dir={model}") for a in recipe_dry_run_argv(stubs, nodes, **settings)]
+    monkeypatch.setenv("MEGATRON_AGENT_ENGINE_TOKEN", "dry-run-check")  # as the recipe sets it for the check
+    capsys.readouterr()
+    status = main(argv)
+    out, err = capsys.readouterr()
+    if refused:
+        assert status == 2 and "bad configuration: parallel:" in err and refused in err
+        return
+    assert status == 0, err
+    config = json.loads(out)
+    ranks = 8 * nodes // 2 if not settings else 8 * (nodes - int(settings["ENGINE_NODES"]))
+    assert config["placement"]["trainer_ranks"] == ranks
+    assert config["parallel"] | {"vpp": None} == dict(tp=4, pp=1, vpp=None, cp=1, ep=16, etp=1, sequence_parallel=True)
+    assert config["actor"]["lr"] == 1e-6 and config["actor"]["params_dtype"] == "bf16"
+    assert config["algorithm"]["advantage_estimator"] == "gigpo"
+    assert config["env"] == "sokoban" and config["env_config"]["render_image"] is True
+    assert config["model_dir"] == str(model) and "model: qwen3_vl_moe (with vision tower), 48 layers" in err
+    assert (config["engine"]["server"], config["engine"]["gpus_per_engine"]) == ("sglang", 4)
+    assert config["engine"]["num_engines"] == 8 * (nodes - ranks // 8) // 4
+    assert f"layout: {ranks} trainer ranks = DP {ranks // 4} x TP 4 x PP 1; experts: EP 16" in err

@@ -93,3 +93,36 @@ def test_words_tokenizer_for_the_cpu_job():
     assert tok.convert_ids_to_tokens(tok("banana").input_ids) == ["[UNK]"]
     with pytest.raises(ValueError, match="tokenizer kind='chars'"):
         build_tokenizer("chars")
+
+
+def test_words_tokenizer_for_a_vlm_names_each_visual_quiz_choice_in_one_token(tiny_model_dir):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from envs.visual_quiz import VisualQuizConfig, VisualQuizEnv, choice_labels
+
+    path = tiny_model_dir("qwen2_5_vl", tokenizer="words")
+    tok, processor = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
+    assert json.loads((path / "megatron_agent.json").read_text())["tokenizer"] == "words"
+    assert len(tok) <= 64 and build_tokenizer("words").get_vocab().items() <= tok.get_vocab().items()
+    for kind in ("colour", "shape"):
+        for labels in ("names", "digits"):
+            for label in choice_labels(VisualQuizConfig(kind=kind, num_choices=6, labels=labels)):
+                assert tok.convert_ids_to_tokens(tok(label).input_ids) == [label]
+    env = VisualQuizEnv(VisualQuizConfig(image_size=56))
+    observation = env.reset(0)
+    grid = processor(images=[Image.fromarray(observation.image)], return_tensors="pt")["image_grid_thw"]
+    assert grid.tolist() == [[1, 4, 4]]  # 56 = 2 x 28: no resize, 4 merged image tokens
+    content = [{"type": "image"}, {"type": "text", "text": observation.text}]
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=True)["input_ids"]
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids = [t for i in ids for t in ([image_id] * 4 if i == image_id else [i])]
+    words = tok.convert_ids_to_tokens(ids)
+    assert words[:4] == ["<|im_start|>", "user", "<|vision_start|>", "<|image_pad|>"]
+    assert "colour" in words and "red" in words and "yellow" in words
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    batch = processor(images=[Image.fromarray(observation.image)], return_tensors="pt")
+    logits = model(input_ids=torch.tensor([ids]), pixel_values=batch["pixel_values"],
+                   image_grid_thw=batch["image_grid_thw"]).logits
+    assert logits.shape == (1, len(ids), 64) and torch.isfinite(logits).all()
