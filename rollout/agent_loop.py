@@ -87,6 +87,7 @@ def run_rollout(
     rollout_index: int = 0,
     first_group: int = 0,
     make_memory: Callable[[], Memory] | None = None,
+    image_processor=None,
 ) -> RolloutResult:
     """Play one episode per env copy and return one StepSample per (trajectory, step).
 
@@ -95,7 +96,9 @@ def run_rollout(
     else the async loop calls `generate` per request). rollout_index: mixed into the
     sampling seeds (pass the iteration, so iterations differ). first_group: the group id
     of the first group (group and trajectory ids count on from it, so the samples of
-    several rollouts of one batch stay apart).
+    several rollouts of one batch stay apart). image_processor: a vision-language
+    model's (rollout/vision.py `load_image_processor`): prompts then show the
+    observations' images; None (a text model): text prompts.
     """
     if config.mode not in LOOP_MODES:
         raise ValueError(f"loop mode {config.mode!r}; use one of {LOOP_MODES}")
@@ -105,7 +108,8 @@ def run_rollout(
     settings = RolloutSettings(
         tokenizer, config.prompt, sampling or config.sampling, rollout_index, config.max_steps,
         make_memory or memory_factory(config.prompt.memory, config.prompt.history_length,
-                                      config.prompt.max_images))
+                                      config.prompt.max_images),
+        image_processor=image_processor)
     slots, offset = [], 0
     for e in slots_envs:
         slots.append(Slot(e, seeds[offset:offset + e.num_groups], first_group + offset, settings))
@@ -132,8 +136,10 @@ def run_lockstep(slots: list[Slot], engine, timeline: Timeline) -> None:
         batch = [(s, i, s.prompt(i)) for s in slots for i in s.active_copies()]
         requests = [s.request(i, p) for s, i, p in batch]
         t0 = time.perf_counter()
+        images = {"image_data": [r.image_data for r in requests], "prompt_tokens": [r.prompt_tokens for r in requests]}
         outputs = engine.generate([r.ids for r in requests], [r.params for r in requests],
-                                  rids=[r.rid for r in requests], sticky_keys=[r.sticky_key for r in requests])
+                                  rids=[r.rid for r in requests], sticky_keys=[r.sticky_key for r in requests],
+                                  **(images if any(r.image_data for r in requests) else {}))
         timeline.record("generate", t0, time.perf_counter())
         for slot in slots:
             mine = [(i, p, out) for (s, i, p), out in zip(batch, outputs) if s is slot]
@@ -199,13 +205,14 @@ def validation_seeds(config: AgentLoopConfig) -> list[int]:
     return [validation_seed(v.first_seed_index + i) for i in range(v.num_episodes)]
 
 
-def run_validation(envs, engine, tokenizer, config: AgentLoopConfig) -> RolloutResult:
+def run_validation(envs, engine, tokenizer, config: AgentLoopConfig, *, image_processor=None) -> RolloutResult:
     """Validation: group size 1, the validation seed range, the validation sampling
     (greedy by default). `envs` must have group_size 1 and num_episodes groups."""
     for e in envs if isinstance(envs, list | tuple) else [envs]:
         if e.group_size != 1:
             raise ValueError(f"validation runs use group_size=1, got {e.group_size}")
     result = run_rollout(envs, engine, tokenizer, replace(config, drop_failed_episodes=True),
-                         validation_seeds(config), sampling=config.validation.sampling)
+                         validation_seeds(config), sampling=config.validation.sampling,
+                         image_processor=image_processor)
     result.metrics = {k.replace("rollout/", "val/", 1): v for k, v in result.metrics.items()}
     return result

@@ -31,13 +31,21 @@ def engine_submitter(engine) -> tuple[Callable[[Request], Future], ThreadPoolExe
     """(submit one request -> Future of its output, the pool to shut down or None). An
     engine with only the batch `generate` gets one call per request from a thread pool."""
     if hasattr(engine, "submit"):
-        return (lambda r: engine.submit(r.ids, r.params, rid=r.rid, sticky_key=r.sticky_key)), None
+        return (lambda r: engine.submit(r.ids, r.params, rid=r.rid, sticky_key=r.sticky_key, **image_kwargs(r))), None
     pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollout-generate")
 
     def submit(r: Request) -> Future:
-        return pool.submit(lambda: engine.generate([r.ids], [r.params], rids=[r.rid], sticky_keys=[r.sticky_key])[0])
+        images = {k: [v] for k, v in image_kwargs(r).items()}
+        return pool.submit(lambda: engine.generate([r.ids], [r.params], rids=[r.rid], sticky_keys=[r.sticky_key],
+                                                   **images)[0])
 
     return submit, pool
+
+
+def image_kwargs(r: Request) -> dict:
+    """An image request's `image_data` and `prompt_tokens` for the engine call (none for a
+    text request, so engines that know no images are called as before)."""
+    return {"image_data": r.image_data, "prompt_tokens": r.prompt_tokens} if r.image_data else {}
 
 
 def run_async(slots: list[Slot], engine, timeline: Timeline) -> None:

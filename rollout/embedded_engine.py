@@ -7,6 +7,16 @@ output token's log-probability under the distribution it was sampled from,
 log_softmax(logits / temperature), *before* top-k / top-p truncation (greedy:
 log_softmax(logits)). Sampling is seedable per request (`SamplingParams.sampling_seed`).
 Invalid requests raise `BadRequest`.
+
+Vision-language models (config.json with a `vision_config`: transformers'
+AutoModelForImageTextToText and the model's image processor): a request may carry
+images (`prepare_images`: SGLang's `image_data` data URLs, one per image pad of its
+ids); the engine expands each pad to its image's token count (`prompt_tokens` counts the
+expanded ids, as SGLang's), prefills the batch with the rows' `pixel_values` and
+`image_grid_thw` and explicit multimodal RoPE positions (rollout/vision.py; so no
+`rope_deltas` state of the model is used or kept between batches), then decodes each row
+from its largest position + 1. Weight updates take the checkpoints' names
+(`engine_weights.vision_weight_view`).
 """
 
 from __future__ import annotations
@@ -30,10 +40,22 @@ from rollout.engine_weights import (
     receive_flat_bucket,
     receive_per_tensor,
     receive_tensors,
+    vision_weight_view,
     weight_view,
 )
 from rollout.fp8_blocks import DEFAULT_BLOCK, Fp8Pairs, fp8_block_size, scale_shape, weight_name_of
 from rollout.token_sampler import sample_tokens, token_uniforms
+from rollout.vision import (
+    ImagePadMismatch,
+    decode_image_data,
+    expand_image_pads,
+    image_token_counts,
+    is_vision_model,
+    load_image_processor,
+    merge_size,
+    mrope_positions,
+    process_images,
+)
 from rollout.weight_group import (
     destroy_weight_update_group,
     dtype_from_name,
@@ -82,10 +104,22 @@ class Completion:
 
 
 @dataclass
-class Request:
+class RequestImages:
+    """One request's images, processed: expanded ids (each image pad repeated its token
+    count) and what the model takes with them."""
+
     input_ids: list[int]
+    pixel_values: torch.Tensor  # float32 [patches, dim]
+    image_grid_thw: torch.Tensor  # long [images, 3]
+
+
+@dataclass
+class Request:
+    input_ids: list[int]  # expanded, for a vision-language model's image request
     params: SamplingParams
     rid: str
+    images: RequestImages | None = None
+    positions: torch.Tensor | None = None  # a vision-language model's mrope positions [3, len]
     done: threading.Event = field(default_factory=threading.Event)
     result: Completion | None = None
     error: str | None = None  # the worker's traceback when the batch failed
@@ -119,8 +153,12 @@ class Engine:
         self.model_path = model_path
         self.dtype = dtype_from_name(dtype)
         self.released: set[str] = set()  # memory tags released (engine_memory.py)
+        self.vision = is_vision_model(model_path)
         self.model, self.fp8 = self._load_model(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.image_processor = load_image_processor(model_path) if self.vision else None
+        self.image_pad_id = int(self.model.config.image_token_id) if self.vision else None
+        self.context_length = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         params = inspect.signature(self.model.forward).parameters
@@ -146,15 +184,15 @@ class Engine:
         """The HF model, and the FP8 pairing of weight updates. A block-FP8 checkpoint
         (config.json's quantization_config, rollout/fp8_blocks.py) is built unquantized in
         the engine's dtype and loaded dequantized, as FP8 weight updates are."""
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoConfig, GenerationConfig
 
         config = AutoConfig.from_pretrained(model_path)
         block = fp8_block_size(getattr(config, "quantization_config", None))
         fp8 = Fp8Pairs(block or DEFAULT_BLOCK)
         if block is None:
-            return AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval(), fp8
+            return self._model_class().from_pretrained(model_path, dtype=self.dtype).eval(), fp8
         del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).eval()
+        model = self._model_class().from_config(config, dtype=self.dtype).eval()
         try:
             model.generation_config = GenerationConfig.from_pretrained(model_path)
         except OSError:  # no generation_config.json: the model config's
@@ -166,23 +204,67 @@ class Engine:
             raise ValueError(f"{model_path}: the FP8 checkpoint has no weights for {missing[:5]}")
         return model, fp8
 
+    def _model_class(self):
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+
     # -- generation --------------------------------------------------------------------
-    def submit(self, input_ids: list[int], params: SamplingParams, rid: str) -> Request:
+    def prepare_images(self, input_ids: list[int], image_data: list) -> RequestImages:
+        """A request's images (SGLang's `image_data` of one request: data URLs, one per
+        image pad of `input_ids`), decoded and processed; BadRequest naming the problem."""
+        if not self.vision:
+            raise BadRequest(f"image_data sent to {self.model_path}, a text model (its config.json has no "
+                             "vision_config)")
+        if not isinstance(image_data, list):
+            raise BadRequest(f"image_data of one request must be a list of 'data:image/...;base64,' strings, "
+                             f"got {type(image_data).__name__}")
+        try:
+            images = [decode_image_data(item) for item in image_data]
+        except ValueError as err:
+            raise BadRequest(f"image_data: {err}") from None
+        ids = list(map(int, input_ids))
+        if not images:
+            return RequestImages(ids, None, None)  # type: ignore[arg-type]  (a text request)
+        pixel_values, grid = process_images(self.image_processor, images)
+        try:
+            ids = expand_image_pads(ids, self.image_pad_id, image_token_counts(grid, merge_size(self.image_processor)))
+        except ImagePadMismatch as err:
+            raise BadRequest(str(err)) from None
+        return RequestImages(ids, pixel_values, grid)
+
+    def submit(self, input_ids: list[int], params: SamplingParams, rid: str,
+               images: RequestImages | None = None) -> Request:
+        """Queue one request. `images`: its `prepare_images` (then `input_ids` are unused:
+        the images carry the expanded ids)."""
+        if images is not None:
+            input_ids = images.input_ids
+            images = images if images.pixel_values is not None else None
         problem = released_problem(self.released) or generation_problem(input_ids, params.max_new_tokens,
                                      vocab_size=self.model.get_input_embeddings().weight.shape[0],
-                                     context_length=getattr(self.model.config, "max_position_embeddings", None),
+                                     context_length=self.context_length,
                                      max_new_tokens_cap=self.max_new_tokens_cap)
         if problem:
             raise BadRequest(problem)
-        req = Request(list(map(int, input_ids)), params, rid)
+        req = Request(list(map(int, input_ids)), params, rid, images)
+        if self.vision:
+            try:
+                req.positions = mrope_positions(req.input_ids, self.image_pad_id,
+                                                None if images is None else images.image_grid_thw,
+                                                merge_size(self.image_processor))
+            except ImagePadMismatch as err:
+                raise BadRequest(f"{err} (send each image in image_data, one image pad per image)") from None
         self.queue.put(req)
         return req
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]) -> list[Completion]:
-        """Queue one request per prompt and wait for them all (they batch with others)."""
-        if not (len(params) == len(rids) == len(prompts)):
-            raise BadRequest("input_ids, sampling_params and rid differ in length")
-        reqs = [self.submit(p, sp, rid) for p, sp, rid in zip(prompts, params, rids)]
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
+                 images: list[RequestImages | None] | None = None) -> list[Completion]:
+        """Queue one request per prompt and wait for them all (they batch with others).
+        `images`: each prompt's `prepare_images` (None: a text prompt)."""
+        images = images if images is not None else [None] * len(prompts)
+        if not (len(params) == len(rids) == len(prompts) == len(images)):
+            raise BadRequest("input_ids, sampling_params, rid and image_data differ in length")
+        reqs = [self.submit(p, sp, rid, im) for p, sp, rid, im in zip(prompts, params, rids, images)]
         for req in reqs:
             req.done.wait()
             if req.error is not None:
@@ -258,15 +340,19 @@ class Engine:
             ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids)
             mask[i, width - len(r.input_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        extra = {}
+        if self.vision:
+            positions, extra = self._vision_inputs(batch, width)
         cache = DynamicCache()
         active = list(range(len(rows)))  # rows still decoding, in cache order
         for row in rows:
             if row.max_new_tokens <= 0:
                 row.finish = {"type": "length", "length": 0}
         with self.model_lock:
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}).logits[:, -1, :].float()
-        next_pos = positions[:, -1] + 1
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                logits_to_keep=1, **extra, **{self.cache_kw: cache}).logits[:, -1, :].float()
+        # the next token's position: the row's largest so far + 1 (after an image, more than its length)
+        next_pos = (positions.amax(dim=(0, 2)) if self.vision else positions[:, -1]) + 1
         temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
         top_k = torch.tensor([r.top_k for r in rows], dtype=torch.long)
         top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
@@ -301,11 +387,26 @@ class Engine:
                 tokens = [tokens[j] for j in keep]
                 active = [active[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
+            step_positions = next_pos.unsqueeze(1)
+            if self.vision:  # the three mrope axes alike, as for any text token
+                step_positions = step_positions.unsqueeze(0).expand(3, -1, -1)
             with self.model_lock:
                 logits = self.model(input_ids=torch.tensor(tokens).unsqueeze(1), attention_mask=mask,
-                                    position_ids=next_pos.unsqueeze(1), use_cache=True,
+                                    position_ids=step_positions, use_cache=True,
                                     **{self.cache_kw: cache}).logits[:, -1, :].float()
             next_pos = next_pos + 1
+
+    def _vision_inputs(self, batch: list[Request], width: int) -> tuple[torch.Tensor, dict]:
+        """A vision-language batch's left-padded mrope positions [3, rows, width] (padding
+        at 0, masked out) and its images, rows in order."""
+        positions = torch.zeros((3, len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            positions[:, i, width - len(r.input_ids):] = r.positions
+        with_images = [r.images for r in batch if r.images is not None]
+        if not with_images:
+            return positions, {}
+        return positions, {"pixel_values": torch.cat([im.pixel_values for im in with_images]),
+                           "image_grid_thw": torch.cat([im.image_grid_thw for im in with_images])}
 
     def _finish(self, row: _Row, req: Request) -> None:
         req.result = Completion(
@@ -445,14 +546,13 @@ class Engine:
             self.weight_version = weight_version
 
     def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         if not self.in_update:
             raise BadRequest("update_weights_from_disk outside begin_weight_update/end_weight_update")
-        if fp8_block_size(json.loads((Path(model_path) / "config.json").read_text()).get("quantization_config")):
+        quantized = fp8_block_size(json.loads((Path(model_path) / "config.json").read_text()).get("quantization_config"))
+        if quantized or self.vision:  # a VLM's checkpoint names: vision_weight_view
             self.load_weights(checkpoint_tensors(model_path))
         else:
-            fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+            fresh = self._model_class().from_pretrained(model_path, dtype=self.dtype)
             self.load_weights(list(fresh.state_dict().items()))
         self.model_path = model_path
         if weight_version is not None:
@@ -460,7 +560,10 @@ class Engine:
 
     def weight_view(self, name: str) -> torch.Tensor | None:
         """The model tensor a checkpoint-format HF name refers to (None if none does)."""
-        return weight_view(self.model.state_dict(), name)
+        return self._view_of(self.model.state_dict(), name)
+
+    def _view_of(self, state: dict, name: str) -> torch.Tensor | None:
+        return vision_weight_view(state, name) if self.vision else weight_view(state, name)
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         if "weights" in self.released:
@@ -489,7 +592,7 @@ class Engine:
     def _weight_views(self, names: list[str], keep_vars: bool = False) -> dict[str, torch.Tensor | None]:
         """Each name's model tensor (a scale's: the weight it scales)."""
         state = self.model.state_dict(keep_vars=keep_vars)  # keep_vars: the parameters themselves
-        return {n: weight_view(state, weight_name_of(n) or n) for n in names}
+        return {n: self._view_of(state, weight_name_of(n) or n) for n in names}
 
     def _load_problem(self, names: list[str], views: dict[str, torch.Tensor | None], shapes: list) -> str | None:
         """Why these tensors cannot be loaded (None: they can)."""

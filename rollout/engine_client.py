@@ -24,6 +24,11 @@ marked dead, logged with a warning naming it, and its requests are re-sent to th
 others; when none is left `NoEngineLeft` is raised. `check_health()` revives servers
 that answer /health again. HTTP 4xx (a bad request) raises `EngineError` at once.
 
+Images (vision-language models): a request may carry `image_data` (PNG data URLs, one
+per image pad of its ids: rollout/vision.py), sent as SGLang's per-request
+`"image_data"` lists ([] for a text request in a mixed call); its `prompt_tokens` (the
+expanded prompt's length) is checked against the server's `meta_info.prompt_tokens`.
+
 Bodies are taken as the servers send them: JSON when it parses, else the text (SGLang's
 /flush_cache answers 200 with plain text); only the status code says whether a call
 failed, plus `"success": false` in a JSON answer.
@@ -117,6 +122,8 @@ class _Queued:
     rid: str | None
     key: str | None
     attempt: int
+    image_data: list[str] | None = None
+    prompt_tokens: int | None = None
 
 
 class EngineClient:
@@ -154,8 +161,15 @@ class EngineClient:
         *,
         rids: Sequence[str] | None = None,
         sticky_keys: Sequence[str | None] | None = None,
+        image_data: Sequence[list[str] | None] | None = None,
+        prompt_tokens: Sequence[int | None] | None = None,
     ) -> list[GenerateOutput]:
+        """One output per prompt. `image_data`: each prompt's images (PNG data URLs, one
+        per image pad of its ids; None or [] for a text prompt); `prompt_tokens`: each
+        prompt's expanded length (None: unchecked), which the server must report."""
         n = len(input_ids)
+        images = list(image_data) if image_data is not None else [None] * n
+        expected = list(prompt_tokens) if prompt_tokens is not None else [None] * n
         params = [sampling_params] * n if isinstance(sampling_params, dict) else list(sampling_params)
         keys = list(sticky_keys) if sticky_keys is not None else [None] * n
         results: list[GenerateOutput | None] = [None] * n
@@ -165,7 +179,8 @@ class EngineClient:
             by_server = self._assign(pending, keys)
             futures = {
                 url: self.pool.submit(self._post_generate, url, [input_ids[i] for i in idx],
-                                      [params[i] for i in idx], [rids[i] for i in idx] if rids else None)
+                                      [params[i] for i in idx], [rids[i] for i in idx] if rids else None,
+                                      [images[i] for i in idx], [expected[i] for i in idx])
                 for url, idx in by_server.items()
             }
             pending, refused = [], None
@@ -227,15 +242,19 @@ class EngineClient:
 
     # -- one request at a time, many in flight ----------------------------------------
     def submit(self, input_ids: Sequence[int], sampling_params: dict, *, rid: str | None = None,
-               sticky_key: str | None = None) -> Future:
+               sticky_key: str | None = None, image_data: list[str] | None = None,
+               prompt_tokens: int | None = None) -> Future:
         """Queue one request; the Future's result is its GenerateOutput. A server that
         fails it is marked dead and the request re-sent elsewhere (up to max_attempts).
-        Cancelling the Future before the request is sent drops it."""
+        Cancelling the Future before the request is sent drops it. `image_data` and
+        `prompt_tokens`: as in `generate`, for this one request."""
         done: Future = Future()
-        self._send(done, list(map(int, input_ids)), sampling_params, rid, sticky_key, attempt=0)
+        self._send(done, list(map(int, input_ids)), sampling_params, rid, sticky_key, attempt=0,
+                   image_data=list(image_data) if image_data else None, prompt_tokens=prompt_tokens)
         return done
 
-    def _send(self, done: Future, ids: list[int], params: dict, rid, key, attempt: int) -> None:
+    def _send(self, done: Future, ids: list[int], params: dict, rid, key, attempt: int,
+              image_data: list[str] | None = None, prompt_tokens: int | None = None) -> None:
         try:
             url = self._pick(key)
         except NoEngineLeft as e:
@@ -246,7 +265,8 @@ class EngineClient:
                 self.lanes[url] = ThreadPoolExecutor(max_workers=self.max_inflight_per_engine,
                                                      thread_name_prefix="engine-lane")
             lane = self.lanes[url]
-            self.queued.setdefault(url, deque()).append(_Queued(done, ids, params, rid, key, attempt))
+            self.queued.setdefault(url, deque()).append(_Queued(done, ids, params, rid, key, attempt,
+                                                                image_data, prompt_tokens))
         try:
             lane.submit(self._run_queued, url)  # one call per request at most; later ones may find it sent
         except RuntimeError as e:  # closed
@@ -264,14 +284,15 @@ class EngineClient:
                 self._release(url, q.key, failed=False)
             elif url not in self.alive:  # marked dead while this request queued: no attempt spent
                 self._release(url, q.key, failed=True)
-                self._send(q.done, q.ids, q.params, q.rid, q.key, q.attempt)
+                self._send(q.done, q.ids, q.params, q.rid, q.key, q.attempt, q.image_data, q.prompt_tokens)
             else:
                 items.append(q)
         if not items:
             return
         rids = [q.rid for q in items] if all(q.rid for q in items) else None
         try:
-            outs = self._post_generate(url, [q.ids for q in items], [q.params for q in items], rids)
+            outs = self._post_generate(url, [q.ids for q in items], [q.params for q in items], rids,
+                                       [q.image_data for q in items], [q.prompt_tokens for q in items])
         except _ServerFailed as e:
             self._mark_dead(url, str(e))
             for q in items:
@@ -280,7 +301,7 @@ class EngineClient:
                     _settle(q.done, error=EngineError(f"request {q.rid} failed on {self.max_attempts} attempts "
                                                       f"({self._dead_summary()})"))
                 else:
-                    self._send(q.done, q.ids, q.params, q.rid, q.key, q.attempt + 1)
+                    self._send(q.done, q.ids, q.params, q.rid, q.key, q.attempt + 1, q.image_data, q.prompt_tokens)
             return
         except BaseException as e:  # noqa: BLE001 - handed to the callers
             for q in items:
@@ -297,11 +318,14 @@ class EngineClient:
             if failed and key is not None:
                 self.sticky.pop(key, None)
 
-    def _post_generate(self, url: str, input_ids, params, rids) -> list[GenerateOutput]:
+    def _post_generate(self, url: str, input_ids, params, rids, image_data=None,
+                       prompt_tokens=None) -> list[GenerateOutput]:
         body = {"input_ids": [list(map(int, ids)) for ids in input_ids], "sampling_params": params,
                 "return_logprob": True}
         if rids:
             body["rid"] = list(rids)
+        if image_data and any(image_data):  # SGLang's per-request lists; [] for a text request
+            body["image_data"] = [list(images or []) for images in image_data]
         status, payload = self._call(url, "/generate", body)
         if status >= 500:
             raise _ServerFailed(f"HTTP {status}: {payload}")
@@ -312,8 +336,14 @@ class EngineClient:
         if not isinstance(payload, list) or len(payload) != len(input_ids):
             raise _ServerFailed(f"garbled /generate answer for {len(input_ids)} prompt(s): {str(payload)[:200]}")
         outs = []
-        for item in payload:
+        for k, item in enumerate(payload):
             meta = item["meta_info"]
+            expected = prompt_tokens[k] if prompt_tokens else None
+            if expected is not None and meta.get("prompt_tokens") != expected:
+                raise EngineError(
+                    f"{url} counted {meta.get('prompt_tokens')} prompt tokens for request {k} of the call, but its "
+                    f"expanded ids (each image pad repeated its image's token count) are {expected} tokens: the "
+                    "server's image processor or chat template differs from the rollout's")
             token_lps = meta.get("output_token_logprobs") or []
             ids = list(item.get("output_ids") or [t for _, t, *_ in token_lps])
             if len(token_lps) != len(ids):

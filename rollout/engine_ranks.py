@@ -198,10 +198,12 @@ class RankedEngine(Engine):
         return _gather([local, *futures])
 
     # -- generation --------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
+                 images: list | None = None) -> list[Completion]:
         """Deal the prompts round-robin over the ranks; each completion names its rank."""
-        if not (len(params) == len(rids) == len(prompts)):
-            raise BadRequest("input_ids, sampling_params and rid differ in length")
+        images = images if images is not None else [None] * len(prompts)
+        if not (len(params) == len(rids) == len(prompts) == len(images)):
+            raise BadRequest("input_ids, sampling_params, rid and image_data differ in length")
         with self._deal_lock:
             first, self._dealt = self._dealt, self._dealt + len(prompts)
         shares = [[i for i in range(len(prompts)) if (first + i) % self.ranks == r] for r in range(self.ranks)]
@@ -209,11 +211,13 @@ class RankedEngine(Engine):
         def part(values, r):
             return [values[i] for i in shares[r]]
 
-        futures = {r: self.peers[r - 1].call("generate", part(prompts, r), part(params, r), part(rids, r))
+        futures = {r: self.peers[r - 1].call("generate", part(prompts, r), part(params, r), part(rids, r),
+                                             part(images, r))
                    for r in range(1, self.ranks) if shares[r]}
         local: Future = Future()
         try:
-            local.set_result(super().generate(part(prompts, 0), part(params, 0), part(rids, 0)) if shares[0] else [])
+            local.set_result(super().generate(part(prompts, 0), part(params, 0), part(rids, 0), part(images, 0))
+                             if shares[0] else [])
         except Exception as err:
             local.set_exception(err)
         ranks = [0, *futures]

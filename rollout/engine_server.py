@@ -18,6 +18,12 @@ SGLang: the weight-sync check), /update_weight_version, /pause_generation,
 each batch round-robin (`rollout/engine_ranks.py`); /weights_checksum then answers 500
 when the ranks disagree, and with `"per_rank": true` gives every rank's checksums.
 
+Images (a vision-language model's directory): /generate takes SGLang's `image_data`, per
+prompt a list of "data:image/...;base64," strings, one per image pad of its input_ids
+([] or null for a text prompt; one prompt's list alone when input_ids is one prompt);
+files, URLs and anything else answer 400. `meta_info.prompt_tokens` counts the expanded
+ids (each pad repeated its image's token count), as SGLang's does.
+
 Errors: 400 for a bad request (`BadRequest`, a body that is not JSON, a missing field,
 named), 404 for an unknown path, 500 with the exception for anything else.
 
@@ -121,9 +127,37 @@ def generate(engine: Engine, body: dict):
     except (AttributeError, TypeError, ValueError) as e:
         raise BadRequest(f"bad sampling_params: {e}") from None
     _check_prompts(engine, prompts, sampling)
-    completions = engine.generate(prompts, sampling, rids)
+    images = _request_images(engine, prompts, body.get("image_data"), single)
+    if any(im is not None for im in images):  # the expanded prompts within the context too
+        _check_prompts(engine, [im.input_ids if im is not None else ids for ids, im in zip(prompts, images)],
+                       sampling)
+    completions = engine.generate(prompts, sampling, rids, images)
     results = [completion_json(c, bool(body.get("return_logprob", False))) for c in completions]
     return results[0] if single else results
+
+
+def _request_images(engine: Engine, prompts: list, image_data, single: bool) -> list:
+    """Each prompt's images (`Engine.prepare_images`; None: a text prompt) from SGLang's
+    `image_data`: for a batch, one list of data URLs per prompt ([] or null: no images);
+    for one prompt, its list (or one data URL). Anything else is a BadRequest."""
+    if image_data is None:
+        return [None] * len(prompts)
+    if single:
+        image_data = [[image_data] if isinstance(image_data, str) else image_data]
+    if not isinstance(image_data, list) or len(image_data) != len(prompts):
+        raise BadRequest(f"image_data must be a list with one entry per prompt ({len(prompts)}), each a list of "
+                         f"'data:image/...;base64,' strings; got {type(image_data).__name__}"
+                         f"{f' of length {len(image_data)}' if isinstance(image_data, list) else ''}")
+    out = []
+    for i, (ids, items) in enumerate(zip(prompts, image_data)):
+        if not items:
+            out.append(None)
+            continue
+        try:
+            out.append(engine.prepare_images(ids, items))
+        except BadRequest as err:
+            raise BadRequest(err if len(prompts) == 1 else f"prompt {i}: {err}") from None
+    return out
 
 
 def _check_prompts(engine: Engine, prompts: list, sampling: list[SamplingParams]) -> None:
@@ -134,7 +168,7 @@ def _check_prompts(engine: Engine, prompts: list, sampling: list[SamplingParams]
     if released:
         raise BadRequest(released)
     vocab = engine.model.get_input_embeddings().weight.shape[0]
-    context = getattr(engine.model.config, "max_position_embeddings", None)
+    context = engine.context_length
     for i, (ids, sp) in enumerate(zip(prompts, sampling)):
         problem = generation_problem(ids, sp.max_new_tokens, vocab_size=vocab, context_length=context,
                                      max_new_tokens_cap=engine.max_new_tokens_cap)

@@ -140,3 +140,23 @@ def weight_view(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | Non
         return None
     gate, up = fused[expert].chunk(2, dim=0)
     return gate if proj == "gate_proj" else up
+
+
+_FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def vision_weight_view(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """`weight_view` for a vision-language model held by transformers 5, whose in-memory
+    names (`model.visual.*`, `model.language_model.*`) are not every checkpoint's:
+    - Qwen2.5-VL checkpoints name the tower `visual.*` and the language model `model.*`;
+    - Qwen3-VL-MoE checkpoints (and the trainer's export) hold the fused experts in the
+      published layout, gate_up_proj [E, H, 2I] and down_proj [E, I, H], while memory
+      holds [E, 2I, H] and [E, H, I]: those names map to the transposed view."""
+    if name.startswith("visual."):
+        name = "model." + name
+    elif name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
+        name = "model.language_model." + name.removeprefix("model.")
+    view = weight_view(state, name)
+    if view is not None and name.endswith(_FUSED_EXPERTS) and view.dim() == 3:
+        return view.transpose(1, 2)
+    return view

@@ -54,10 +54,12 @@ class Timeline:
 class Request:
     """One copy's generation request at one step."""
 
-    ids: list[int]
+    ids: list[int]  # what the engine is sent: one image pad per image (rollout/vision.py)
     params: dict
     rid: str
     sticky_key: str  # the trajectory: its steps go to one engine (prefix cache)
+    image_data: list[str] = field(default_factory=list)  # PNG data URLs, one per image pad
+    prompt_tokens: int | None = None  # the expanded prompt's length, for an image request (else None)
 
 
 def sampling_seed(base: int, rollout_index: int, env_seed: int, copy: int, step: int) -> int:
@@ -75,6 +77,7 @@ class RolloutSettings:
     rollout_index: int
     max_steps: int
     make_memory: Callable[[], Memory]
+    image_processor: object = None  # the vision-language model's (rollout/vision.py); None: a text model
     # HF fast tokenizers are not safe to share across threads.
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -114,14 +117,16 @@ class Slot:
         with s.tokenizer_lock:
             obs = self.observations[i]
             return build_prompt(s.tokenizer, self.envs.instructions, obs.text, self.memories[i],
-                                int(self.steps[i]), s.prompt, image=obs.image)
+                                int(self.steps[i]), s.prompt, image=obs.image, image_processor=s.image_processor)
 
     def request(self, i: int, prompt: Prompt) -> Request:
         s, step = self.settings, int(self.steps[i])
         seed = None if s.sampling.seed is None else sampling_seed(
             s.sampling.seed, s.rollout_index, self.env_seed(i), i % self.G, step)
         key = f"r{s.rollout_index}-s{self.env_seed(i)}-t{self.traj_id(i)}"
-        return Request(prompt.ids, s.sampling.to_params(seed), f"{key}-step{step}", key)
+        return Request(prompt.engine_ids, s.sampling.to_params(seed), f"{key}-step{step}", key,
+                       image_data=list(prompt.image_data),
+                       prompt_tokens=len(prompt.ids) if prompt.image_data else None)
 
     def decode(self, output) -> str:
         with self.settings.tokenizer_lock:
@@ -153,6 +158,7 @@ class Slot:
             finish_reason=output.finish_reason, response_text=text, weight_version=output.weight_version,
             info={k: v for k, v in info.items() if k in ("failed", "error", "truncated", "action")},
             images=list(prompt.images), image_entries=list(prompt.image_entries), observation=obs.text,
+            pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,
         )
         self.trajectories[i].append(sample)
         self.memories[i].store(StepRecord(step, obs.text, text, float(reward), sample.is_action_valid,

@@ -35,3 +35,8 @@ class StepSample:
     images: list[Any] = field(default_factory=list)
     image_entries: list[int] = field(default_factory=list)
     observation: str = ""  # the env's text observation the action answered (for logs)
+    # A vision-language model's processed images of the prompt (rollout.prompts.Prompt):
+    # float32 [patches, dim] and long [images, 3] torch tensors; None for a text prompt.
+    # `prompt_ids` are then the expanded ids (each image pad repeated its token count).
+    pixel_values: Any = None
+    image_grid_thw: Any = None

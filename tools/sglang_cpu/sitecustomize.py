@@ -6,7 +6,10 @@ Neither has a CPU wheel that fits the pinned torch, so this file, put on PYTHONP
 of the server only (`rollout.engine_launch.sglang_cpu_environment`), installs an
 import hook that answers those two names, and their submodules, with placeholders:
 any attribute is a placeholder class, usable as a base class, callable, and with
-placeholder attributes of its own.
+placeholder attributes of its own. Importing the `sgl_kernel` placeholder also puts
+placeholders under `torch.ops.sgl_kernel` for the few CPU kernels that SGLang modules bind
+at import time (PLACEHOLDER_OPS): the Qwen-VL multimodal processor imports Qwen3.5's
+model module, which binds them; the Qwen2.5-VL and Qwen3-VL models never call them.
 
 It does nothing unless MEGATRON_AGENT_SGLANG_CPU_SHIM=1, and a module that is really
 installed is always found first (the hook is the last finder asked).
@@ -67,7 +70,22 @@ class _PlaceholderLoader(importlib.abc.Loader):
         return module
 
     def exec_module(self, module) -> None:
-        pass
+        if module.__name__ == "sgl_kernel":
+            _register_placeholder_ops()
+
+
+# sgl_kernel's CPU kernels that sglang/srt/models/qwen3_5.py binds when it is imported
+PLACEHOLDER_OPS = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
+                   "fused_qkvzba_split_reshape_cat_contiguous_cpu")
+
+
+def _register_placeholder_ops() -> None:
+    import torch
+
+    namespace = torch.ops.sgl_kernel
+    for name in PLACEHOLDER_OPS:
+        if not hasattr(namespace, name):
+            setattr(namespace, name, _placeholder(name, "torch.ops.sgl_kernel")())
 
 
 class _PlaceholderFinder(importlib.abc.MetaPathFinder):

@@ -95,3 +95,19 @@ def test_placeholder_modules_only_with_their_flag(flag, expected):
         env[SGLANG_CPU_SHIM_ENV] = flag
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == expected, out.stderr
+
+
+OPS_PROBE = """
+import torch, sgl_kernel
+op = torch.ops.sgl_kernel.fused_sigmoid_mul_cpu  # bound when sglang's qwen3_5.py is imported
+try:
+    op(torch.zeros(1), torch.zeros(1))
+except RuntimeError as e:
+    print("refuses to run:", "placeholder" in str(e))
+"""
+
+
+def test_sgl_kernel_placeholder_binds_the_import_time_cpu_ops():
+    env = dict(os.environ, PYTHONPATH=str(SGLANG_CPU_TOOLS), **{SGLANG_CPU_SHIM_ENV: "1"})
+    out = subprocess.run([sys.executable, "-c", OPS_PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "refuses to run: True", out.stderr
