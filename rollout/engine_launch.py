@@ -16,6 +16,7 @@ from pathlib import Path
 from rollout.engine_client import EngineClient, http_json
 from rollout.engine_guard import require_token, resolve_token
 from rollout.processes import die_with_parent, free_port
+from rollout.vision import is_vision_model
 
 _PORT_RETRIES = 3
 
@@ -176,6 +177,18 @@ def sglang_server_command(config: EngineConfig, model_path: str | Path, port: in
             *(["--api-key", token] if token else []), *config.server_args]
 
 
+def sglang_model_environment(model_path: str | Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment for this model. A vision-language model gets
+    SGLANG_VLM_CACHE_SIZE_MB=0: SGLang 0.5.23 caches vision embeddings by image hash and
+    no weight update or /flush_cache clears them, so images seen before a sync would be
+    served with the old tower's features (measured: logprob gaps of 1.5e-2 to 4.1e-2
+    and flipped greedy tokens; tests/integration/rollout/test_sglang_vlm.py)."""
+    env = dict(os.environ if base is None else base)
+    if is_vision_model(model_path):
+        env["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
+    return env
+
+
 def start_sglang_server(config: EngineConfig, model_path: str | Path, log_dir: str | Path,
                         index: int = 0, timeout_s: float = 900.0) -> EngineProcess:
     """Start one SGLang server on a free port (its GPUs are CUDA_VISIBLE_DEVICES) and wait
@@ -187,7 +200,8 @@ def start_sglang_server(config: EngineConfig, model_path: str | Path, log_dir: s
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(sglang_server_command(config, model_path, port), stdout=log,
-                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+                                stderr=subprocess.STDOUT, env=sglang_model_environment(model_path),
+                                preexec_fn=die_with_parent)
     host = socket.gethostbyname(socket.gethostname()) if config.host in ("0.0.0.0", "::") else config.host
     engine = EngineProcess(f"http://{host}:{port}", proc, log_path)
     if not wait_healthy(engine, timeout_s):
@@ -280,15 +294,18 @@ def sglang_cpu_command(model_path: str | Path, port: int, *, python: str | None 
                        max_total_tokens: int = 20000, auth_token: str | None = None,
                        extra_args: tuple[str, ...] = ()) -> list[str]:
     """The command line of one SGLang server on CPU (torch-native attention, no CUDA
-    graphs, a small KV pool). Bound beyond loopback it needs an API key (`auth_token`,
-    else MEGATRON_AGENT_ENGINE_TOKEN): `InsecureBind` otherwise."""
+    graphs, a small KV pool; a vision-language model's images processed with Pillow, since
+    torchvision is a placeholder here, and its tower on SDPA attention). Bound beyond
+    loopback it needs an API key (`auth_token`, else MEGATRON_AGENT_ENGINE_TOKEN):
+    `InsecureBind` otherwise."""
     token = resolve_token(auth_token)
     require_token(host, token, "an SGLang server")
+    vision = ("--image-processor-backend", "pil", "--mm-attention-backend", "sdpa") if is_vision_model(model_path) else ()
     return [python or sglang_cpu_python() or sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(model_path), "--host", host, "--port", str(port), "--tp-size", str(tp_size),
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", dtype,
             "--mem-fraction-static", str(mem_fraction_static), "--max-total-tokens", str(max_total_tokens),
-            *(["--api-key", token] if token else []), *extra_args]
+            *(["--api-key", token] if token else []), *vision, *extra_args]
 
 
 def start_sglang_cpu_server(model_path: str | Path, *, tp_size: int = 1, python: str | None = None,
@@ -310,7 +327,8 @@ def start_sglang_cpu_server(model_path: str | Path, *, tp_size: int = 1, python:
                                  extra_args=tuple(extra_args), **command_args)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env=sglang_cpu_environment(tp_size, env), start_new_session=True,
+                                    env=sglang_model_environment(model_path, sglang_cpu_environment(tp_size, env)),
+                                    start_new_session=True,
                                     preexec_fn=die_with_parent)
         url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         server = SGLangCPUServer(f"http://{url_host}:{port}", proc, log_path)

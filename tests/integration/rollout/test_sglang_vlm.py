@@ -9,8 +9,8 @@ against transformers' own model and image processor:
   vision tower and language model: the server then equals transformers on the changed
   checkpoint, for the same images as before the update.
 
-What the server needs for a vision model on CPU (besides the text model's flags):
-`--image-processor-backend pil` (transformers' default backend is torchvision's, a
+What the server needs for a vision model on CPU, which `rollout.engine_launch` adds for
+one (besides the text model's flags): `--image-processor-backend pil` (transformers' default backend is torchvision's, a
 placeholder here), `--mm-attention-backend sdpa` for the vision tower, and
 `SGLANG_VLM_CACHE_SIZE_MB=0`: SGLang 0.5.23 caches vision embeddings by image hash and
 neither a weight update nor /flush_cache clears that cache, so without it an image seen
@@ -19,7 +19,6 @@ before an update keeps its old embedding. One server, started once (about a minu
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import numpy as np
@@ -36,7 +35,6 @@ from tests.integration.rollout.test_sglang import SERVER_ARGS, START_TIMEOUT_S, 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_cpu")]
 
 FAMILY = "qwen3_vl"
-VLM_SERVER_ARGS = (*SERVER_ARGS, "--image-processor-backend", "pil", "--mm-attention-backend", "sdpa")
 IMAGE_SIZES = [(56, 56), (60, 120), (64, 40)]  # (height, width)
 NEW_TOKENS = 5
 
@@ -50,8 +48,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(sglang_python, model_dir, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-    env = dict(os.environ, SGLANG_VLM_CACHE_SIZE_MB="0")
-    server = start_sglang_cpu_server(model_dir, python=sglang_python, extra_args=VLM_SERVER_ARGS, env=env,
+    server = start_sglang_cpu_server(model_dir, python=sglang_python, extra_args=SERVER_ARGS,
                                      log_dir=tmp_path_factory.mktemp("sglang-vlm-logs"), timeout_s=START_TIMEOUT_S)
     yield server
     server.stop()

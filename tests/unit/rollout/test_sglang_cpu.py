@@ -19,6 +19,7 @@ from rollout.engine_launch import (
     sglang_cpu_command,
     sglang_cpu_environment,
     sglang_cpu_python,
+    sglang_model_environment,
     sglang_server_command,
 )
 
@@ -37,6 +38,22 @@ def test_command_line_has_the_cpu_flags(monkeypatch):
     assert keyed[keyed.index("--api-key") + 1] == "k"
     with pytest.raises(InsecureBind):
         sglang_cpu_command("/m", 1, python="p", host="0.0.0.0")
+
+
+def test_a_vision_model_gets_pil_images_sdpa_tower_and_no_embedding_cache(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.delenv("MEGATRON_AGENT_ENGINE_TOKEN", raising=False)
+    text, vlm = tmp_path / "text", tmp_path / "vlm"
+    for path, config in ((text, {"model_type": "qwen3"}), (vlm, {"model_type": "qwen3_vl", "vision_config": {}})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+    flags = " ".join(sglang_cpu_command(vlm, 1, python="p"))
+    assert "--image-processor-backend pil" in flags and "--mm-attention-backend sdpa" in flags
+    assert "--image-processor-backend" not in sglang_cpu_command(text, 1, python="p")
+    # SGLang 0.5.23 would serve images seen before a weight sync from its stale embedding cache
+    assert sglang_model_environment(vlm, base={})["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+    assert sglang_model_environment(text, base={}) == {}
 
 
 def test_environment_turns_on_the_cpu_engine_the_shim_and_core_binding():
