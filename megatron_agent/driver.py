@@ -65,11 +65,13 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
     from megatron_agent.training.checks import batch_rollout_gap, served_vs_trained
     from megatron_agent.training.critic import Critic
     from rollout.agent_loop import run_validation
+    from rollout.vision import load_image_processor
 
     run_dir, model_dir = Path(config.run_dir), model_dir_of(config)
     ctx = init_distributed(config.parallel, seed=config.seed)
     leader = ctx.rank == 0
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    image_processor = load_image_processor(model_dir)  # None: a text model
     actor = Actor(model_dir, ctx.parallel, config.actor, config.algorithm)
     critic = (Critic(model_dir, ctx.parallel, config.critic, config.algorithm)
               if config.algorithm.advantage_estimator == "gae" else None)
@@ -84,7 +86,8 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
             envs = env_manager(config, config.num_groups, config.group_size)
             if config.val_every:
                 val_envs = env_manager(config, config.loop.validation.num_episodes, 1)
-        rollouts = RolloutAhead(fleet, lambda client, i: collect_samples(config, envs, client, tokenizer, i),
+        rollouts = RolloutAhead(fleet, lambda client, i: collect_samples(config, envs, client, tokenizer, i,
+                                                                          image_processor=image_processor),
                                 leader=leader, overlap=config.overlap_rollout)
         if first_iteration:
             fleet.sync_weights(first_iteration)  # the engines start from the model on disk
@@ -141,7 +144,8 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
 
             if config.val_every and (iteration + 1) % config.val_every == 0:
                 with timer.phase("validation"):
-                    validation = fleet.run(lambda client: run_validation(val_envs, client, tokenizer, config.loop),
+                    validation = fleet.run(lambda client: run_validation(val_envs, client, tokenizer, config.loop,
+                                                                         image_processor=image_processor),
                                            iteration + 1)
                     if leader:
                         metrics.update(validation.metrics)

@@ -25,17 +25,19 @@ def rollout_seeds(config, iteration: int, attempt: int = 0) -> list[int]:
     return [first + g for g in range(config.num_groups)]
 
 
-def collect_samples(config, envs, client, tokenizer, iteration: int):
+def collect_samples(config, envs, client, tokenizer, iteration: int, *, image_processor=None):
     """Roll out `num_groups` groups (more with dynamic sampling: groups whose episodes all
     scored the same are dropped and new ones rolled, numbered after the earlier ones,
     until the batch is full or the tries run out); return the kept step samples, the
-    first rollout's episode metrics and its episodes."""
+    first rollout's episode metrics and its episodes. `image_processor`: a vision-language
+    model's (rollout/vision.py), None for a text model."""
     from rollout.agent_loop import run_rollout
 
     kept, metrics, episodes, tries, dropped = [], None, None, 0, 0
     while True:
         rollout = run_rollout(envs, client, tokenizer, config.loop, rollout_seeds(config, iteration, tries),
-                              rollout_index=iteration, first_group=tries * config.num_groups)
+                              rollout_index=iteration, first_group=tries * config.num_groups,
+                              image_processor=image_processor)
         if metrics is None:
             metrics, episodes = rollout.metrics, rollout.episodes
         tries += 1
@@ -85,13 +87,16 @@ def step_columns(samples: Sequence) -> StepSamples:
 
 
 def train_batch(samples: Sequence, pad_id: int, temperature: float):
-    """Token ids, response masks and rollout logprobs of the step samples (advantages are
+    """Token ids, response masks and rollout logprobs of the step samples, and their
+    prompts' images (`pixel_values`, `image_grid_thw`) when they have any (advantages are
     set once the critic, if any, has valued them)."""
     from megatron_agent.training.batch import TrainBatch
 
+    images = [None if getattr(s, "pixel_values", None) is None else (s.pixel_values, s.image_grid_thw)
+              for s in samples]
     return TrainBatch.from_sequences([list(s.prompt_ids) for s in samples], [list(s.response_ids) for s in samples],
                                      pad_id=pad_id, rollout_logprobs=[list(s.rollout_logprobs) for s in samples],
-                                     temperature=temperature)
+                                     temperature=temperature, images=images)
 
 
 def estimate_advantages(samples: Sequence, algorithm, values=None):

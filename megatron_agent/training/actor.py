@@ -10,7 +10,9 @@ A rank works on its data-parallel shard (training/batch.py: sample i belongs to 
 i % dp): the driver sends each rank only its shard; given the whole batch, a rank cuts
 its shard itself. Per-token results come back for the rows given (a whole batch: all of
 them, on every rank); metrics come back identical on every rank. Micro-batches are cut by a token budget
-(dynamic batch size) and run through Megatron's pipeline schedule.
+(dynamic batch size) and run through Megatron's pipeline schedule; a vision-language
+model's micro-batch also carries its samples' images and MRoPE positions
+(`batch.micro_batch_images`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from megatron_agent.models.checkpoint import DTYPES, copy_hf_side_files, model_s
 from megatron_agent.models.families import family_of
 from megatron_agent.models.transformer_config import read_hf_config
 from megatron_agent.platform.parallel import ParallelConfig
-from megatron_agent.training.batch import TrainBatch, micro_batches_by_tokens
+from megatron_agent.training.batch import TrainBatch, micro_batch_images, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_entropy, token_logprobs
 from megatron_agent.training.schedule import (
     attach_grad_finalization,
@@ -168,11 +170,36 @@ class Actor:
                 "response_mask": batch.response_mask[idx, : width - 1],
                 "index": idx,
             }
+            if batch.has_images:
+                mb.update(micro_batch_images(batch, idx, mb["input_ids"], self.hf))
             for name, value in per_token.items():
                 if value is not None:
                     mb[name] = value[idx] if value.dim() == 1 else value[idx, : width - 1]
             out.append(mb)
         return out
+
+    def _same_count_as_peers(self, micro: list[dict]) -> list[dict]:
+        """With expert parallelism the ranks of an EP group (DP ranks) exchange tokens in
+        every micro-batch, so each must run as many micro-batches as the others, whatever
+        its shard: one with fewer runs copies of a micro-batch marked "idle" (they count for
+        nothing: no row, no loss, no metric)."""
+        from megatron.core import parallel_state as ps
+
+        if self.dp_size == 1 or ps.get_expert_model_parallel_world_size() == 1:
+            return micro
+        count = torch.tensor([len(micro)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        if int(count) == len(micro):
+            return micro
+        filler = micro[-1] if micro else self._micro_batches(_IDLE_BATCH, [0])[0]
+        idle = dict(filler, index=torch.zeros(0, dtype=torch.long), idle=torch.tensor(True),
+                    response_mask=torch.zeros_like(filler["response_mask"]))
+        return micro + [idle] * (int(count) - len(micro))
+
+    def _forward_micro_batches(self, shard: TrainBatch) -> list[dict]:
+        """The micro-batches of a forward-only pass over the whole shard."""
+        micro = self._micro_batches(shard, list(range(shard.size))) if shard.size else []
+        return self._same_count_as_peers(micro)
 
     def _gather_per_token(self, local: dict[int, torch.Tensor], shard: TrainBatch, batch: TrainBatch,
                           per_token: bool = True) -> torch.Tensor:
@@ -216,8 +243,8 @@ class Actor:
         for chunk in chunks:
             chunk.eval()
         with torch.no_grad():
-            if shard.size:
-                run_schedule(chunks, self._micro_batches(shard, list(range(shard.size))), keep, forward_only=True)
+            if micro := self._forward_micro_batches(shard):
+                run_schedule(chunks, micro, keep, forward_only=True)
         out = {"logprobs": self._gather_per_token(logprobs, shard, batch)}
         if with_entropy:
             out["entropy"] = self._gather_per_token(entropy, shard, batch)
@@ -284,16 +311,23 @@ class Actor:
         `batch` is this rank's shard."""
         indices = [k for k, i in enumerate(batch.positions().tolist()) if i in mini]
         denominator = self._global_count(batch.response_mask[indices])
-        micro = self._micro_batches(
-            batch, indices, advantages=batch.advantages, old_logprobs=batch.old_logprobs,
-            ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
-        )
+        if indices:
+            micro = self._micro_batches(
+                batch, indices, advantages=batch.advantages, old_logprobs=batch.old_logprobs,
+                ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
+            )
+        else:  # this DP rank has no sample in this mini-batch: still join the reductions
+            idle = batch if batch.size else _IDLE_BATCH
+            micro = [dict(mb, idle=torch.tensor(True)) for mb in self._micro_batches(idle, [0])]
+        micro = self._same_count_as_peers(micro)
         # Megatron divides each micro-batch loss by their number and DDP averages over DP;
         # the loss is normalised by the global count instead, so undo both.
         scale = len(micro) * self.dp_size
         collected: list[dict] = []
 
         def loss_fn(mb, out):
+            if "idle" in mb:
+                return out.sum() * 0.0, {}
             loss, metrics = self._loss(batch, mb, out, denominator)
             local = self._count(mb["response_mask"])
             # Loss terms are this micro-batch's share of the global mean; make them its
@@ -308,11 +342,7 @@ class Actor:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if indices:
-            run_schedule(self.model, micro, loss_fn)
-        else:  # this DP rank has no sample in this mini-batch: still join the reductions
-            idle = batch if batch.size else TrainBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1))
-            run_schedule(self.model, self._micro_batches(idle, [0]), lambda mb, out: (out.sum() * 0.0, {}))
+        run_schedule(self.model, micro, loss_fn)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         prefix = type(self).__name__.lower()
@@ -432,6 +462,10 @@ class Actor:
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
             torch.set_rng_state(rng["torch"])
+
+
+# What a rank with no sample runs to join its peers' collectives.
+_IDLE_BATCH = TrainBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1))
 
 
 def _materialize_adam_state(optimizer) -> None:

@@ -9,6 +9,14 @@ Data parallelism: sample i of the whole batch belongs to DP rank i % dp (`shard_
 The leader cuts the batch once (`dp_shards`) and each rank receives only its shard
 (`scatter_batch`); a shard knows where its rows sit in the whole batch (`sample_index`)
 and the whole batch's size, so the actor can form the same mini-batches on every rank.
+
+Images (vision-language models): `pixel_values` [P, D] holds every sample's image patches,
+sample after sample and each sample's images in text order; `image_grid_thw` [M, 3] the
+(t, h, w) patch grid of each image, in the same order; `images_per_sample` [N] how many of
+them are each sample's. An image of grid (t, h, w) is t*h*w rows of `pixel_values`, and
+its t*h*w/merge**2 image tokens are already in the sample's prompt ids. Every cut of the
+batch (`select`, `dp_shard`, `scatter_batch`) keeps each sample's images with it. A text
+batch leaves all three None.
 """
 
 from __future__ import annotations
@@ -36,10 +44,40 @@ class TrainBatch:
     # (None: this is the whole batch).
     sample_index: torch.Tensor | None = None  # [N] int64
     whole_size: int | None = None
+    # Images (module docstring): all three, or none.
+    pixel_values: torch.Tensor | None = None  # [P, D] float
+    image_grid_thw: torch.Tensor | None = None  # [M, 3] int64
+    images_per_sample: torch.Tensor | None = None  # [N] int64
 
     def __post_init__(self):
         if self.lengths is None:
             self.lengths = torch.full((self.tokens.shape[0],), self.tokens.shape[1], dtype=torch.long)
+        given = [name for name in IMAGE_FIELDS if getattr(self, name) is not None]
+        if given and len(given) != len(IMAGE_FIELDS):
+            raise ValueError(f"a batch with images needs all of {IMAGE_FIELDS}; got only {given}")
+        if given:
+            check_images(self.pixel_values, self.image_grid_thw, self.images_per_sample, self.size)
+
+    @property
+    def has_images(self) -> bool:
+        return self.image_grid_thw is not None
+
+    def images_of(self, rows: torch.Tensor | list[int]) -> dict[str, torch.Tensor] | None:
+        """The images of samples `rows`, in that order: {"pixel_values", "image_grid_thw",
+        "images_per_sample"}; None for a text batch."""
+        if not self.has_images:
+            return None
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        first_image = _starts(self.images_per_sample)
+        patches = self.image_grid_thw.prod(-1)
+        first_patch = _starts(patches)
+        images = [torch.arange(int(first_image[r]), int(first_image[r] + self.images_per_sample[r]))
+                  for r in rows.tolist()]
+        images = torch.cat(images) if images else torch.zeros(0, dtype=torch.long)
+        pixel_rows = [torch.arange(int(first_patch[i]), int(first_patch[i] + patches[i])) for i in images.tolist()]
+        pixel_rows = torch.cat(pixel_rows) if pixel_rows else torch.zeros(0, dtype=torch.long)
+        return {"pixel_values": self.pixel_values[pixel_rows], "image_grid_thw": self.image_grid_thw[images],
+                "images_per_sample": self.images_per_sample[rows]}
 
     @property
     def size(self) -> int:
@@ -99,12 +137,14 @@ class TrainBatch:
         return cls(**values)
 
     def select(self, index: torch.Tensor | list[int]) -> TrainBatch:
+        """Rows `index`, in that order, with their images."""
         index = torch.as_tensor(index, dtype=torch.long)
         picked = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            picked[f.name] = value[index] if isinstance(value, torch.Tensor) else value
-        return replace(self, **picked)
+            if f.name not in IMAGE_FIELDS:
+                picked[f.name] = value[index] if isinstance(value, torch.Tensor) else value
+        return replace(self, **picked, **(self.images_of(index) or {}))
 
     @classmethod
     def from_sequences(
@@ -116,9 +156,11 @@ class TrainBatch:
         advantages=None,
         rollout_logprobs: list[list[float]] | None = None,
         temperature: float = 1.0,
+        images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ) -> TrainBatch:
         """Pack prompt/response id lists; rollout logprobs (one per response token) are
-        placed on the target positions of their tokens."""
+        placed on the target positions of their tokens. `images`: per sequence, None or
+        (pixel_values [p, D], image_grid_thw [n, 3]) of its prompt's images in text order."""
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         width = max(lengths)
         tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -135,11 +177,75 @@ class TrainBatch:
                 rollout[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i])
         adv = None if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
         return cls(tokens, mask, advantages=adv, rollout_logprobs=rollout,
-                   lengths=torch.tensor(lengths), temperature=temperature)
+                   lengths=torch.tensor(lengths), temperature=temperature, **pack_images(images, len(prompts)))
 
 
 PER_TOKEN = ("response_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 SCALARS = ("temperature", "whole_size")
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "images_per_sample")
+
+
+def _starts(counts: torch.Tensor) -> torch.Tensor:
+    """Where each of consecutive blocks of `counts` rows starts."""
+    return torch.cumsum(counts, 0) - counts
+
+
+def check_images(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, images_per_sample: torch.Tensor,
+                 samples: int) -> None:
+    """Raise ValueError naming the problem when the image tensors do not fit together."""
+    if images_per_sample.shape != (samples,):
+        raise ValueError(f"images_per_sample has shape {tuple(images_per_sample.shape)}, want ({samples},)")
+    if image_grid_thw.dim() != 2 or image_grid_thw.shape[1] != 3:
+        raise ValueError(f"image_grid_thw has shape {tuple(image_grid_thw.shape)}, want [images, 3]")
+    if int(images_per_sample.sum()) != image_grid_thw.shape[0]:
+        raise ValueError(f"images_per_sample counts {int(images_per_sample.sum())} images, "
+                         f"image_grid_thw has {image_grid_thw.shape[0]}")
+    patches = int(image_grid_thw.prod(-1).sum())
+    if pixel_values.dim() != 2 or pixel_values.shape[0] != patches:
+        raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; the image grids need "
+                         f"[{patches}, patch_dim]")
+
+
+def pack_images(images: list[tuple[torch.Tensor, torch.Tensor] | None] | None, samples: int) -> dict:
+    """Per-sample (pixel_values, image_grid_thw) or None -> the batch's image fields ({}
+    when no sample has an image: a text batch)."""
+    if images is None or all(im is None for im in images):
+        return {}
+    if len(images) != samples:
+        raise ValueError(f"images given for {len(images)} samples, the batch has {samples}")
+    for i, im in enumerate(images):
+        if im is not None and (im[0] is None or im[1] is None):
+            raise ValueError(f"sample {i} has pixel_values or image_grid_thw without the other")
+    images = [None if im is None else (torch.as_tensor(im[0]), torch.as_tensor(im[1])) for im in images]
+    dims = {im[0].shape[-1] for im in images if im is not None}
+    if len(dims) != 1:
+        raise ValueError(f"the samples' pixel_values have different patch sizes {sorted(dims)}")
+    dim = dims.pop()
+    pixels = [im[0].float() if im is not None else torch.zeros(0, dim) for im in images]
+    grids = [im[1].long().reshape(-1, 3) if im is not None else torch.zeros(0, 3, dtype=torch.long) for im in images]
+    for i, (p, g) in enumerate(zip(pixels, grids)):
+        if p.shape[0] != int(g.prod(-1).sum()):
+            raise ValueError(f"sample {i}: {p.shape[0]} pixel rows for image grids {g.tolist()} "
+                             f"({int(g.prod(-1).sum())} patches)")
+    return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids),
+            "images_per_sample": torch.tensor([g.shape[0] for g in grids], dtype=torch.long)}
+
+
+def micro_batch_images(batch: TrainBatch, rows: torch.Tensor, input_ids: torch.Tensor, hf: dict) -> dict:
+    """What a micro-batch of a batch with images carries besides its ids: the MRoPE
+    positions [3, b, s] of its `input_ids` (rows `rows` of the batch), which every pipeline
+    stage needs, and, when its samples have any, their images (the first stage's)."""
+    from megatron_agent.models.vision_inputs import mrope_position_ids
+
+    if "image_token_id" not in hf or "vision_config" not in hf:
+        raise ValueError("the batch has images but the model is not a vision-language model")
+    images = batch.images_of(rows)
+    grids = images["image_grid_thw"] if images["image_grid_thw"].shape[0] else None
+    out = {"position_ids": mrope_position_ids(input_ids, grids, image_token_id=hf["image_token_id"],
+                                              spatial_merge_size=hf["vision_config"]["spatial_merge_size"])}
+    if grids is not None:
+        out.update(pixel_values=images["pixel_values"], image_grid_thw=grids)
+    return out
 
 
 def shard_rows(n: int, dp_rank: int, dp_size: int) -> list[int]:

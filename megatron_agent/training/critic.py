@@ -84,8 +84,8 @@ class Critic(Actor):
         for chunk in self.model:
             chunk.eval()
         with torch.no_grad():
-            if shard.size:
-                run_schedule(self.model, self._micro_batches(shard, list(range(shard.size))), keep, forward_only=True)
+            if micro := self._forward_micro_batches(shard):
+                run_schedule(self.model, micro, keep, forward_only=True)
         return self._gather_per_token(values, shard, batch, per_token=False)[:, 0]
 
     def update(self, batch: TrainBatch, returns: torch.Tensor | None = None,

@@ -87,7 +87,11 @@ def pad_model_inputs(micro_batch: MicroBatch, width: int) -> tuple[torch.Tensor,
 
 
 def _forward_step(loss_fn: LossFn, multiple: int, data_iterator, model):
+    from megatron.core.utils import get_attr_wrapped_model
+
     micro_batch = next(data_iterator)
+    if not get_attr_wrapped_model(model, "pre_process"):  # only the first stage encodes images
+        micro_batch = {k: v for k, v in micro_batch.items() if k not in VISION_INPUTS}
     device = next(model.parameters()).device
     micro_batch = {k: v.to(device, non_blocking=True) for k, v in micro_batch.items()}
     columns = micro_batch["input_ids"].shape[1]

@@ -149,3 +149,105 @@ def test_a_shard_travels_as_tensors_and_comes_back_the_same():
 def test_more_dp_ranks_than_samples_leaves_empty_shards():
     shards = TrainBatch.from_sequences([[1]], [[2]]).dp_shards(2)
     assert shards[0].size == 1 and shards[1].size == 0 and shards[1].whole_size == 1
+
+
+# --- batches with images -------------------------------------------------------------------
+
+IMAGE = 9  # the image token id of these hand-made batches
+
+
+def _image_samples():
+    """Three samples with 0, 1 and 2 images; patch row k of the whole batch holds the value k.
+    Sample 1: one image of grid (1, 2, 2) (4 patches, 1 token at merge 2); sample 2: grids
+    (1, 2, 2) and (1, 2, 4) (4 + 8 patches, 1 + 2 tokens)."""
+    rows = torch.arange(16, dtype=torch.float32).unsqueeze(1).expand(16, 2)
+    images = [None, (rows[:4], torch.tensor([[1, 2, 2]])), (rows[4:], torch.tensor([[1, 2, 2], [1, 2, 4]]))]
+    prompts = [[5, 6], [5, IMAGE, 6], [5, IMAGE, 6, IMAGE, IMAGE, 7]]
+    return TrainBatch.from_sequences(prompts, [[1, 2], [3], [4, 4]], pad_id=0, advantages=[0.5, -1.0, 2.0],
+                                     images=images)
+
+
+def _patch_ids(batch):
+    return batch.pixel_values[:, 0].long().tolist()
+
+
+def test_images_are_packed_sample_after_sample_and_masked_out_of_the_loss():
+    batch = _image_samples()
+    assert batch.has_images and batch.images_per_sample.tolist() == [0, 1, 2]
+    assert batch.lengths.tolist() == [4, 4, 8]  # image tokens count: the token budget sees them
+    assert batch.image_grid_thw.tolist() == [[1, 2, 2], [1, 2, 2], [1, 2, 4]]
+    assert _patch_ids(batch) == list(range(16))
+    targets = batch.tokens[:, 1:]
+    assert int((targets == IMAGE).sum()) == 4 and not batch.response_mask[targets == IMAGE].any()
+    text = _three_samples()
+    assert not text.has_images and not set(text.tensors()) & {"pixel_values", "image_grid_thw",
+                                                               "images_per_sample"}
+
+
+def test_each_sample_keeps_its_own_images_through_select_shards_and_tensors():
+    batch = _image_samples()
+    picked = batch.select([2, 0])
+    assert picked.images_per_sample.tolist() == [2, 0] and _patch_ids(picked) == list(range(4, 16))
+    assert picked.image_grid_thw.tolist() == [[1, 2, 2], [1, 2, 4]]
+    first, second = batch.dp_shards(2)  # rows [0, 2] and [1]
+    assert first.images_per_sample.tolist() == [0, 2] and _patch_ids(first) == list(range(4, 16))
+    assert second.images_per_sample.tolist() == [1] and _patch_ids(second) == [0, 1, 2, 3]
+    assert second.image_grid_thw.tolist() == [[1, 2, 2]] and second.tokens.tolist() == [[5, IMAGE, 6, 3]]
+    back = TrainBatch.from_tensors(first.tensors())
+    for name in ("pixel_values", "image_grid_thw", "images_per_sample", "tokens", "sample_index"):
+        assert torch.equal(getattr(back, name), getattr(first, name)), name
+    empty = TrainBatch.from_sequences([[1]], [[2]], images=[(torch.ones(4, 2), torch.tensor([[1, 2, 2]]))])
+    nothing = empty.dp_shards(2)[1]
+    assert nothing.size == 0 and nothing.pixel_values.shape == (0, 2) and nothing.image_grid_thw.shape == (0, 3)
+
+
+def test_micro_batch_images_give_mrope_positions_and_only_their_samples_images():
+    from megatron_agent.training.batch import micro_batch_images
+
+    batch = _image_samples()
+    hf = {"image_token_id": IMAGE, "vision_config": {"spatial_merge_size": 2}}
+    rows = torch.tensor([2, 1])
+    ids = batch.tokens[rows, :7]
+    mb = micro_batch_images(batch, rows, ids, hf)
+    assert mb["pixel_values"][:, 0].long().tolist() == list(range(4, 16)) + [0, 1, 2, 3]
+    assert mb["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 4], [1, 2, 2]]
+    # row 2: 5 | image (1x1 merged) at 1 | 6 at 2 | image 1x2 at 3: (3,3,3), (3,3,4) | 7 at 5 ...
+    assert mb["position_ids"][:, 0].tolist() == [[0, 1, 2, 3, 3, 5, 6], [0, 1, 2, 3, 3, 5, 6],
+                                                 [0, 1, 2, 3, 4, 5, 6]]
+    assert mb["position_ids"][:, 1].tolist() == [[0, 1, 2, 3, 4, 5, 6]] * 3  # 1x1 image: like text
+    text_only = micro_batch_images(batch, torch.tensor([0]), batch.tokens[[0], :3], hf)
+    assert set(text_only) == {"position_ids"} and text_only["position_ids"].tolist() == [[[0, 1, 2]]] * 3
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        micro_batch_images(batch, rows, ids, {})
+
+
+def test_bad_images_are_named():
+    grid = torch.tensor([[1, 2, 2]])
+    with pytest.raises(ValueError, match=r"sample 0: 3 pixel rows for image grids \[\[1, 2, 2\]\] \(4 patches\)"):
+        TrainBatch.from_sequences([[1]], [[2]], images=[(torch.ones(3, 2), grid)])
+    with pytest.raises(ValueError, match="images given for 1 samples, the batch has 2"):
+        TrainBatch.from_sequences([[1], [1]], [[2], [2]], images=[(torch.ones(4, 2), grid)])
+    with pytest.raises(ValueError, match="needs all of"):
+        TrainBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1), pixel_values=torch.ones(4, 2))
+    with pytest.raises(ValueError, match="images_per_sample counts 2 images, image_grid_thw has 1"):
+        TrainBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1), pixel_values=torch.ones(4, 2),
+                   image_grid_thw=grid, images_per_sample=torch.tensor([2]))
+
+
+def test_train_batch_takes_each_step_samples_images():
+    from types import SimpleNamespace
+
+    from megatron_agent.samples import train_batch
+
+    def step(prompt, pixels=None, grid=None):
+        return SimpleNamespace(prompt_ids=prompt, response_ids=[4], rollout_logprobs=[-0.5],
+                               pixel_values=pixels, image_grid_thw=grid)
+
+    pixels = torch.arange(16, dtype=torch.float32).reshape(8, 2)
+    samples = [step([5, IMAGE, 7], pixels[:4], torch.tensor([[1, 2, 2]])), step([5]),
+               step([IMAGE, 6], pixels[4:], torch.tensor([[1, 2, 2]]))]
+    batch = train_batch(samples, pad_id=0, temperature=1.0)
+    assert batch.images_per_sample.tolist() == [1, 0, 1] and torch.equal(batch.pixel_values, pixels)
+    assert batch.image_grid_thw.tolist() == [[1, 2, 2], [1, 2, 2]]
+    assert _patch_ids(batch.select([2])) == [8, 10, 12, 14]
+    assert not train_batch([step([5]), step([6])], pad_id=0, temperature=1.0).has_images
