@@ -25,21 +25,45 @@ def image_token_counts(image_grid_thw: torch.Tensor | None, merge: int) -> list[
     return [int(t * h * w) // merge**2 for t, h, w in image_grid_thw.tolist()]
 
 
+def image_token_mask(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, images_per_row: list[int], *,
+                     image_token_id: int, spatial_merge_size: int) -> torch.Tensor:
+    """bool [b, s]: the image tokens that stand for the rows' images (row r has
+    `images_per_row[r]` of the grids, in order), i.e. each row's first that many image
+    tokens. A policy may *generate* the image token too (a tiny one trained from scratch
+    does): the engine embedded such a token as text, and so must the trainer."""
+    counts = image_token_counts(image_grid_thw, spatial_merge_size)
+    mask = input_ids == image_token_id
+    used = 0
+    for row, n_images in enumerate(images_per_row):
+        wanted = sum(counts[used:used + n_images])
+        used += n_images
+        found = mask[row].nonzero().flatten()
+        if found.numel() < wanted:
+            raise ImageTokenMismatch(f"row {row} has {found.numel()} image tokens for its {n_images} images "
+                                     f"({wanted} tokens)")
+        mask[row, found[wanted:]] = False
+    if used != len(counts):
+        raise ImageTokenMismatch(f"{len(counts)} image grids given for rows holding {used} images")
+    return mask
+
+
 def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, *, image_token_id: int,
-                       spatial_merge_size: int) -> torch.Tensor:
+                       spatial_merge_size: int, image_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [3, b, s] for ids [b, s] with the images of the batch in order.
 
     Text tokens count up on all three axes. An image starting at position p takes
     p + (frame, row, column) of its merged grid, and the text after it resumes at
     p + max(rows, columns). Padding is text: its positions keep counting, after every
-    real token. Each image's tokens must be one consecutive block.
+    real token. Each image's tokens must be one consecutive block. `image_mask` (bool
+    [b, s], `image_token_mask`): which tokens are image tokens (default: every image token
+    id; others are text whatever their id).
     """
     b, s = input_ids.shape
     out = torch.empty(3, b, s, dtype=torch.long)
     grids = [] if image_grid_thw is None else image_grid_thw.tolist()
     used = 0
     for row in range(b):
-        is_image = (input_ids[row] == image_token_id).tolist()
+        is_image = (input_ids[row] == image_token_id if image_mask is None else image_mask[row]).tolist()
         i, pos = 0, 0
         while i < s:
             j = i
@@ -67,10 +91,11 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | N
 
 
 def merge_image_embeddings(embeddings: torch.Tensor, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
-                           image_token_id: int) -> torch.Tensor:
+                           image_token_id: int, image_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Token embeddings [s, b, h] (Megatron's layout) with the rows of `image_embeds`
-    [n, h] at the image tokens of ids [b, s], in batch-major order (sample by sample)."""
-    mask = input_ids == image_token_id
+    [n, h] at the image tokens of ids [b, s] (or at `image_mask`, `image_token_mask`), in
+    batch-major order (sample by sample)."""
+    mask = input_ids == image_token_id if image_mask is None else image_mask
     tokens, given = int(mask.sum()), 0 if image_embeds is None else image_embeds.shape[0]
     if tokens != given:
         raise ImageTokenMismatch(f"the ids hold {tokens} image tokens, the vision tower gave {given} image embeddings")

@@ -86,7 +86,7 @@ class VisionLanguageModel(GPTModel):
                     (out[0] + self._deepstack[i], *out[1:]) if self._deepstack else out))
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, *,
-                pixel_values=None, image_grid_thw=None, **kwargs):
+                pixel_values=None, image_grid_thw=None, image_mask=None, **kwargs):
         if position_ids is not None and position_ids.dim() == 2:  # text only: the same position on t, h, w
             position_ids = position_ids.expand(3, *position_ids.shape)
         if self.pre_process and decoder_input is None:
@@ -96,10 +96,10 @@ class VisionLanguageModel(GPTModel):
                 pixels = pixel_values.to(next(self.vision.parameters()).dtype)
                 out = self.vision(pixels, grid_thw=image_grid_thw)
                 images, deepstack = out.pooler_output, getattr(out, "deepstack_features", None) or []
-            decoder_input = merge_image_embeddings(decoder_input, input_ids, images, self.image_token_id)
+            decoder_input = merge_image_embeddings(decoder_input, input_ids, images, self.image_token_id, image_mask)
             # Each deepstack map as a full [s, b, h] addend (zero off the image tokens).
             self._deepstack = [merge_image_embeddings(torch.zeros_like(decoder_input), input_ids, f,
-                                                      self.image_token_id) for f in deepstack]
+                                                      self.image_token_id, image_mask) for f in deepstack]
             if self.config.sequence_parallel:
                 scatter = tensor_parallel.scatter_to_sequence_parallel_region
                 decoder_input, self._deepstack = scatter(decoder_input), [scatter(t) for t in self._deepstack]

@@ -170,7 +170,7 @@ class Actor:
                 "response_mask": batch.response_mask[idx, : width - 1],
                 "index": idx,
             }
-            if batch.has_images:
+            if batch.has_images or "vision_config" in self.hf:
                 mb.update(micro_batch_images(batch, idx, mb["input_ids"], self.hf))
             for name, value in per_token.items():
                 if value is not None:

@@ -232,17 +232,22 @@ def pack_images(images: list[tuple[torch.Tensor, torch.Tensor] | None] | None, s
 
 
 def micro_batch_images(batch: TrainBatch, rows: torch.Tensor, input_ids: torch.Tensor, hf: dict) -> dict:
-    """What a micro-batch of a batch with images carries besides its ids: the MRoPE
-    positions [3, b, s] of its `input_ids` (rows `rows` of the batch), which every pipeline
-    stage needs, and, when its samples have any, their images (the first stage's)."""
-    from megatron_agent.models.vision_inputs import mrope_position_ids
+    """What a vision-language model's micro-batch carries besides its ids (rows `rows` of
+    the batch): the MRoPE positions [3, b, s], which every pipeline stage needs, and for
+    the first stage the image-token mask (`image_token_mask`: image tokens the policy
+    generated are text) and, when its samples have any, their images."""
+    from megatron_agent.models.vision_inputs import image_token_mask, mrope_position_ids
 
     if "image_token_id" not in hf or "vision_config" not in hf:
         raise ValueError("the batch has images but the model is not a vision-language model")
     images = batch.images_of(rows)
-    grids = images["image_grid_thw"] if images["image_grid_thw"].shape[0] else None
-    out = {"position_ids": mrope_position_ids(input_ids, grids, image_token_id=hf["image_token_id"],
-                                              spatial_merge_size=hf["vision_config"]["spatial_merge_size"])}
+    grids = images["image_grid_thw"] if images is not None and images["image_grid_thw"].shape[0] else None
+    per_row = images["images_per_sample"].tolist() if images is not None else [0] * len(rows)
+    token, merge = hf["image_token_id"], hf["vision_config"]["spatial_merge_size"]
+    mask = image_token_mask(input_ids, grids, per_row, image_token_id=token, spatial_merge_size=merge)
+    out = {"position_ids": mrope_position_ids(input_ids, grids, image_token_id=token, spatial_merge_size=merge,
+                                              image_mask=mask),
+           "image_mask": mask}
     if grids is not None:
         out.update(pixel_values=images["pixel_values"], image_grid_thw=grids)
     return out

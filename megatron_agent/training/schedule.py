@@ -22,7 +22,7 @@ from megatron_agent.training.batch import padded_length, sequence_multiple
 
 MicroBatch = dict[str, torch.Tensor]
 # What a vision-language model's first stage takes besides the ids (models/vision_inputs.py).
-VISION_INPUTS = ("pixel_values", "image_grid_thw")
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "image_mask")
 # loss_fn(micro_batch, output) -> (loss, metrics). `output` is what the last stage's
 # GPTModel returns: per-token cross entropy [b, s] when the micro-batch has "labels".
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -95,8 +95,11 @@ def _forward_step(loss_fn: LossFn, multiple: int, data_iterator, model):
     device = next(model.parameters()).device
     micro_batch = {k: v.to(device, non_blocking=True) for k, v in micro_batch.items()}
     columns = micro_batch["input_ids"].shape[1]
-    input_ids, positions, labels = pad_model_inputs(micro_batch, padded_length(columns, multiple))
+    width = padded_length(columns, multiple)
+    input_ids, positions, labels = pad_model_inputs(micro_batch, width)
     images = {k: micro_batch[k] for k in VISION_INPUTS if k in micro_batch}
+    if "image_mask" in images:  # the padding columns are text
+        images["image_mask"] = torch.nn.functional.pad(images["image_mask"], (0, width - columns), value=False)
     output = model(input_ids, positions, attention_mask=None, labels=labels, **images)
 
     def loss(output_tensor):

@@ -215,10 +215,29 @@ def test_micro_batch_images_give_mrope_positions_and_only_their_samples_images()
     assert mb["position_ids"][:, 0].tolist() == [[0, 1, 2, 3, 3, 5, 6], [0, 1, 2, 3, 3, 5, 6],
                                                  [0, 1, 2, 3, 4, 5, 6]]
     assert mb["position_ids"][:, 1].tolist() == [[0, 1, 2, 3, 4, 5, 6]] * 3  # 1x1 image: like text
+    assert mb["image_mask"].tolist() == [[False, True, False, True, True, False, False],
+                                         [False, True, False, False, False, False, False]]
     text_only = micro_batch_images(batch, torch.tensor([0]), batch.tokens[[0], :3], hf)
-    assert set(text_only) == {"position_ids"} and text_only["position_ids"].tolist() == [[[0, 1, 2]]] * 3
+    assert set(text_only) == {"position_ids", "image_mask"} and not text_only["image_mask"].any()
+    assert text_only["position_ids"].tolist() == [[[0, 1, 2]]] * 3
     with pytest.raises(ValueError, match="not a vision-language model"):
         micro_batch_images(batch, rows, ids, {})
+
+
+def test_image_tokens_the_policy_generated_are_text():
+    """A tiny policy trained from scratch samples the image token now and then; the engine
+    embedded it as a text token at a text position, so the trainer must too."""
+    from megatron_agent.training.batch import micro_batch_images
+
+    grid = torch.tensor([[1, 2, 2]])
+    batch = TrainBatch.from_sequences([[5, IMAGE, 6], [5, 6]], [[IMAGE, 3], [IMAGE]], pad_id=0,
+                                      images=[(torch.ones(4, 2), grid), None])
+    hf = {"image_token_id": IMAGE, "vision_config": {"spatial_merge_size": 2}}
+    rows = torch.tensor([0, 1])
+    mb = micro_batch_images(batch, rows, batch.tokens[rows, :4], hf)
+    assert mb["image_mask"].tolist() == [[False, True, False, False], [False, False, False, False]]
+    assert mb["position_ids"][0].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]  # the generated one counts on as text
+    assert mb["image_grid_thw"].tolist() == [[1, 2, 2]]
 
 
 def test_bad_images_are_named():
