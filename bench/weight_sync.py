@@ -13,11 +13,12 @@ to the raw broadcast that followed it.
 
 Where the time goes is measured by wrapping, in this process only, the functions a sync
 calls. `open` + `wire` + `close` are the sync's seconds: `open` from the start to the
-first broadcast (pause, flush, begin; then the first bucket exported, or written, and
+first broadcast (pause, begin; then the first bucket exported, or written, and
 announced), `wire` from there until the engine answered the last bucket (compare it with
-the raw broadcast), `close` the rest (end, version, continue, the collectives between
+the raw broadcast), `close` the rest (end, continue, the collectives between
 trainer ranks). Overlapping those: `write`, the caller's thread writing exported tensors
-into the bucket buffers (flattened only), and `control`, the six control requests. The
+into the bucket buffers (flattened only), and `control`, the control requests (pause,
+begin, end, continue; over a group, no flush or version call of their own). The
 sender's CPU seconds per sync (`cpu`, every thread of this process) are next to the raw
 broadcast's (`raw cpu`): what the sync adds to the bytes' own cost.
 
@@ -270,9 +271,9 @@ def main() -> None:
               f"{total / 1e9 / raw_s:>9.2f}{ratio:>9.2f}{first_s:>8.2f}  | "
               f"{parts['open']:>6.3f}{parts['wire']:>7.3f}{parts['close']:>7.3f} | {parts['write']:>6.3f}"
               f"{parts['control']:>8.3f} | {parts['cpu']:>6.3f}{parts['raw_cpu']:>8.3f}")
-    print("open + wire + close = sync s: open = start to the first broadcast (pause, flush, begin, first bucket "
-          "ready and announced), wire = first broadcast to the last bucket answered, close = end, version, "
-          "continue, collectives; write = exported tensors into bucket buffers (flattened), control = the six "
+    print("open + wire + close = sync s: open = start to the first broadcast (pause, begin, first bucket "
+          "ready and announced), wire = first broadcast to the last bucket answered, close = end, "
+          "continue, collectives; write = exported tensors into bucket buffers (flattened), control = the "
           "control requests (both overlap the above); cpu = this process's CPU seconds in the sync, raw cpu = in "
           "the raw broadcast (medians are of the median-time run)")
     print(f"default config: {'flattened' if default_case[0] else 'per tensor (streamed)'} over a weight-update group, "

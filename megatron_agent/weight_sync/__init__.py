@@ -2,9 +2,11 @@
 
 Every trainer rank calls `WeightSync.sync(version)` together:
 
-1. global rank 0 pauses generation, flushes the engines' caches, opens the update
-   (`/begin_weight_update`), on a thread while it starts exporting stage 0 (whose source
-   it is; nothing is announced before the update is open);
+1. global rank 0 pauses generation, opens the update (`/begin_weight_update`), on a
+   thread while it starts exporting stage 0 (whose source it is; nothing is announced
+   before the update is open); the engines' caches are flushed by each announcement
+   (`flush_cache`, SGLang's default) over a group, by `/flush_cache` before the update
+   with tensor handles (whose calls ask for no flush);
 2. pipeline stages take turns (the lock: engines would deadlock on two announcements
    at once); in each stage every rank iterates the bridge's export (TP and EP gathers
    are collectives), and the stage's source rank (DP 0, TP 0) fills buckets of
@@ -19,7 +21,9 @@ Every trainer rank calls `WeightSync.sync(version)` together:
    memory (`/update_weights_from_tensor`, tensor_sync.py) while the next one is exported;
    with `quantize: fp8` the attention and MLP weights go as block FP8 with their scales,
    quantized as they are written into the bucket (fp8.py);
-3. rank 0 closes the update, bumps the weight version and resumes generation.
+3. rank 0 closes the update and resumes generation. The weight version rides on every
+   update call (SGLang and the embedded engine set it once a call succeeded); only a rank
+   0 that announced nothing sets it with `/update_weight_version`.
 
 A failure on any rank (an engine that died, a timeout) reaches every rank as a
 `WeightSyncError` naming the engines that are down; the groups are torn down and the
@@ -183,8 +187,10 @@ class WeightSync:
             # opened on a thread while this rank (stage 0's source) starts exporting stage 0;
             # its pipeline announces nothing before the update is open, and a failure to open
             # reaches every rank at stage 0's check
-            client = self._client()
-            opening = self._opener.submit(lambda: (client.pause_generation("abort"), client.flush_cache(),
+            # (over a group, every announcement asks the engines to flush their cache once the
+            # bucket is loaded, so no flush of its own; tensor handles ask none)
+            client, flush = self._client(), self.by_handles
+            opening = self._opener.submit(lambda: (client.pause_generation("abort"), flush and client.flush_cache(),
                                                    client.begin_weight_update()))
         sent_bytes, buckets, checksums = 0, 0, {}
         for stage in range(self.pp_size):
@@ -203,8 +209,10 @@ class WeightSync:
                 errors += self._try(lambda: self._check(checksums))
             self._raise_if_any(errors, "checking what the engines loaded")
         if self.rank == 0:
+            # every update call carried the version (engines set it once a call succeeded):
+            # `/update_weight_version` only when this rank announced nothing
             errors += self._try(lambda: (self._client().end_weight_update(),
-                                         self._client().update_weight_version(version),
+                                         buckets == 0 and self._client().update_weight_version(version),
                                          self._client().continue_generation()))
         self._raise_if_any(errors, "closing the update")
         totals = torch.tensor([sent_bytes, buckets], dtype=torch.float64)

@@ -19,6 +19,7 @@ q/k/v) is sent without a copy, and the export of the next tensor overlaps the wi
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -181,7 +182,8 @@ def cut_buckets(layout: Layout, bucket_bytes: int) -> list[tuple[int, int]]:
 # announce(named): post one bucket's names/dtypes/shapes (meta tensors) to every engine;
 # a Future of their answers (they answer once the bucket is received and loaded).
 Announce = Callable[[list[tuple[str, torch.Tensor]]], Future]
-# broadcast(tensor): start sending one tensor to the engines; an object with .wait()
+# broadcast(tensor): start sending one tensor to the engines; an object with .wait() and
+# .is_completed() (a torch Work)
 Broadcast = Callable[[torch.Tensor], object]
 
 
@@ -191,7 +193,7 @@ class StreamedBuckets:
     is announced once every engine answered the previous one. Same interface as
     `BucketPipeline` (add, failed, finish, buckets, sent_bytes).
 
-    `opened`: the update being opened (pause, flush, begin on the engines); until it is
+    `opened`: the update being opened (pause, begin on the engines); until it is
     done, the first bucket's tensors are kept as the export yields them, then announced and
     sent at once (so the export starts while the engines are being paused).
 
@@ -208,7 +210,9 @@ class StreamedBuckets:
         self.bucket_of_start = {start: k for k, (start, _) in enumerate(self.bounds)}
         self.index = 0  # next position in the layout
         self.open_end: int | None = None  # end of the announced bucket still being streamed
-        self.works: list[tuple[object, torch.Tensor]] = []  # broadcasts of the announced bucket
+        # broadcasts of the announced bucket not yet seen finished, with their tensors
+        self.works: deque[tuple[object, torch.Tensor]] = deque()
+        self.wire_errors: list[str] = []  # of finished broadcasts, reported at the bucket's end
         self.answer: Future | None = None
         self.buckets = 0
         self.sent_bytes = 0
@@ -289,6 +293,19 @@ class StreamedBuckets:
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         self.works.append((self.broadcast(tensor), tensor))  # the tensor lives until sent
+        self._drop_sent()
+
+    def _drop_sent(self) -> None:
+        """Let go of the tensors already sent (a work holds its tensor too): the export's
+        fresh copies (q/k/v) are freed while the bucket streams, so the allocator hands
+        their memory to the next copies instead of faulting in new pages, and a bucket
+        never keeps all of its copies at once."""
+        while self.works and self.works[0][0].is_completed():
+            work, _ = self.works.popleft()
+            try:
+                work.wait()
+            except Exception as err:
+                self.wire_errors.append(f"{type(err).__name__}: {err}")
 
     def _break(self, why: str) -> None:
         """Fill the announced bucket with zeros (the engines wait for it) and fail the sync."""
@@ -304,8 +321,10 @@ class StreamedBuckets:
         read the tensors kept here) and for every engine's answer."""
         from rollout.weight_group import wait_all
 
-        works, self.works = self.works, []
+        works, self.works = self.works, deque()
         answer, self.answer = self.answer, None
+        self.errors += self.wire_errors
+        self.wire_errors = []
         try:
             wait_all([work for work, _ in works])
         except Exception as err:

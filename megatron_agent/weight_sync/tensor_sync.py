@@ -3,7 +3,8 @@ as tensor handles (`/update_weights_from_tensor`: shared memory on CPU, CUDA IPC
 GPU), instead of a broadcast over a weight-update group.
 
 `WeightSync` with `transport: tensor` calls `send_tensor_bucket` for each bucket, in
-its usual order of calls (pause, flush, begin; stages in turn; end, version, continue):
+its usual order of calls (pause, flush, begin; stages in turn; end, continue; the version
+rides on each bucket):
 the stage's source rank (DP 0, TP 0) packs the bucket into one buffer and posts its
 handles to every engine, one serialized copy per engine TP rank (the wire format:
 rollout/weight_tensors.py, SGLang's). The engines copy the weights out before they

@@ -143,13 +143,14 @@ class FakeWire:
     """Stand-ins for the HTTP announcement and the async broadcast: records each announced
     bucket, the bytes each broadcast carried and the memory it was sent from."""
 
-    def __init__(self, fail_announce_at: int | None = None):
+    def __init__(self, fail_announce_at: int | None = None, fail_broadcast_at: int | None = None):
         self.announced: list[list[tuple[str, torch.dtype, tuple]]] = []
         self.sent: list[torch.Tensor] = []
         self.pointers: list[int] = []
         self.open_answers = 0
         self.most_open = 0
         self.fail_announce_at = fail_announce_at
+        self.fail_broadcast_at = fail_broadcast_at
 
     def announce(self, named):
         assert all(t.device.type == "meta" for _, t in named)
@@ -170,9 +171,15 @@ class FakeWire:
         assert tensor.is_contiguous()
         self.pointers.append(tensor.data_ptr())
         self.sent.append(tensor.clone())
+        failed = len(self.sent) - 1 == self.fail_broadcast_at
 
-        class Done:
+        class Done:  # finished at once, as a torch Work that is_completed
+            def is_completed(self):
+                return True
+
             def wait(self):
+                if failed:
+                    raise RuntimeError("connection reset by peer")
                 return True
         return Done()
 
@@ -201,6 +208,20 @@ def test_streamed_buckets_announce_the_recorded_layout_and_send_every_tensor_exa
     # laid-out tensors go from their own memory; only the strided ones were copied
     for (_, t), pointer in zip(named, wire.pointers):
         assert (pointer == t.data_ptr()) == t.is_contiguous()
+
+
+def test_streamed_buckets_let_go_of_sent_tensors_and_report_a_failed_broadcast_at_the_bucket_end():
+    named = exported(8)
+    layout = [layout_entry(n, t) for n, t in named]
+    wire = FakeWire(fail_broadcast_at=2)
+    pipeline = StreamedBuckets(wire.announce, wire.broadcast, 10**6, layout)  # one bucket
+    for n, t in named:
+        pipeline.add(n, t)
+        assert len(pipeline.works) <= 1  # the finished broadcasts' tensors are not kept
+    assert pipeline.errors == []  # the bucket streams on: the engine waits for every tensor
+    errors = pipeline.finish()
+    assert len(wire.sent) == len(layout)
+    assert len(errors) == 1 and "connection reset by peer" in errors[0]
 
 
 def test_streamed_buckets_fill_the_announced_bucket_when_the_export_changed():
