@@ -46,7 +46,7 @@ from rollout.engine_weights import (
 from rollout.fp8_blocks import DEFAULT_BLOCK, Fp8Pairs, fp8_block_size, scale_shape, weight_name_of
 from rollout.token_sampler import sample_tokens, token_uniforms
 from rollout.vision import (
-    ImagePadMismatch,
+    ImageTokenMismatch,
     decode_image_data,
     expand_image_pads,
     image_token_counts,
@@ -229,7 +229,7 @@ class Engine:
         pixel_values, grid = process_images(self.image_processor, images)
         try:
             ids = expand_image_pads(ids, self.image_pad_id, image_token_counts(grid, merge_size(self.image_processor)))
-        except ImagePadMismatch as err:
+        except ImageTokenMismatch as err:
             raise BadRequest(str(err)) from None
         return RequestImages(ids, pixel_values, grid)
 
@@ -252,7 +252,7 @@ class Engine:
                 req.positions = mrope_positions(req.input_ids, self.image_pad_id,
                                                 None if images is None else images.image_grid_thw,
                                                 merge_size(self.image_processor))
-            except ImagePadMismatch as err:
+            except ImageTokenMismatch as err:
                 raise BadRequest(f"{err} (send each image in image_data, one image pad per image)") from None
         self.queue.put(req)
         return req

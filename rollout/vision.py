@@ -33,7 +33,7 @@ IMAGE_PAD = "<|image_pad|>"
 DATA_URL_PREFIX = "data:image/"
 
 
-class ImagePadMismatch(ValueError):
+class ImageTokenMismatch(ValueError):
     """The image pads of a prompt's ids and its images do not agree."""
 
 
@@ -83,8 +83,10 @@ def process_images(processor, images: list) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat(pixels), torch.cat(grids)
 
 
-def image_token_counts(image_grid_thw: torch.Tensor, merge: int) -> list[int]:
-    """Image tokens per image: t*h*w / merge**2 of each grid row."""
+def image_token_counts(image_grid_thw: torch.Tensor | None, merge: int) -> list[int]:
+    """Image tokens per image: t*h*w / merge**2 of each grid row (None: no images)."""
+    if image_grid_thw is None:
+        return []
     return [int(t * h * w) // merge**2 for t, h, w in image_grid_thw.tolist()]
 
 
@@ -92,7 +94,7 @@ def expand_image_pads(ids: list[int], pad_id: int, counts: list[int]) -> list[in
     """`ids` with one pad per image, each pad repeated its image's token count."""
     pads = sum(1 for t in ids if t == pad_id)
     if pads != len(counts):
-        raise ImagePadMismatch(f"the prompt has {pads} image pad token(s) (id {pad_id}) but {len(counts)} image(s); "
+        raise ImageTokenMismatch(f"the prompt has {pads} image pad token(s) (id {pad_id}) but {len(counts)} image(s); "
                                "each image needs exactly one pad in the unexpanded ids")
     out, k = [], 0
     for t in ids:
@@ -108,29 +110,44 @@ def mrope_positions(ids: list[int], pad_id: int, image_grid_thw: torch.Tensor | 
     """Multimodal RoPE positions [3, len(ids)] of one prompt's expanded ids, its images'
     grids in order (each image one block of its token count of pads)."""
     grids = [] if image_grid_thw is None else image_grid_thw.tolist()
-    out = torch.empty(3, len(ids), dtype=torch.long)
-    i, pos, used = 0, 0, 0
-    while i < len(ids):
-        if ids[i] != pad_id:
-            out[:, i] = pos
-            pos, i = pos + 1, i + 1
-            continue
+    positions, used = image_positions([t == pad_id for t in ids], grids, merge)
+    if used != len(grids):
+        raise ImageTokenMismatch(f"{len(grids)} image grid(s) given, the ids hold image tokens for {used}")
+    return positions
+
+
+def image_positions(is_image: list[bool], grids: list[list[int]], merge: int) -> tuple[torch.Tensor, int]:
+    """Multimodal RoPE positions [3, n] of one sequence whose image tokens are `is_image`,
+    its images taken from `grids` in order, and how many of them it holds. Text counts up
+    on all three axes; an image starting at position p takes p + (frame, row, column) of
+    its merged grid (each image one block of t * h * w / merge**2 tokens); the token after
+    it takes the largest position so far + 1 (p + max(t, h, w)), as transformers'
+    `get_rope_index` and SGLang do. The one implementation of the rule: the engine's
+    prompts and the trainer's micro-batches (models/vision_inputs.py) use it."""
+    n_tokens = len(is_image)
+    out = torch.empty(3, n_tokens, dtype=torch.long)
+    image_at = [i for i, flag in enumerate(is_image) if flag] + [n_tokens]
+    i, pos, used, k = 0, 0, 0, 0
+    while i < n_tokens:
+        j = image_at[k]  # the next image token (n_tokens: none)
+        out[:, i:j] = torch.arange(pos, pos + j - i)
+        pos, i = pos + j - i, j
+        if i == n_tokens:
+            break
         if used == len(grids):
-            raise ImagePadMismatch(f"image pads at position {i} beyond the prompt's {len(grids)} image(s)")
+            raise ImageTokenMismatch(f"image tokens at position {i} beyond the {len(grids)} image(s) given")
         t, h, w = grids[used]
         h, w = h // merge, w // merge
         n = t * h * w
-        if ids[i:i + n] != [pad_id] * n:
-            raise ImagePadMismatch(f"image {used} (grid {grids[used]}) needs {n} consecutive pads at position {i}")
+        if i + n > n_tokens or not all(is_image[i:i + n]):
+            raise ImageTokenMismatch(f"image {used} (grid {grids[used]}) needs {n} consecutive image tokens "
+                                     f"at position {i}")
         frame = torch.arange(t).view(t, 1, 1).expand(t, h, w).reshape(-1)
         row = torch.arange(h).view(1, h, 1).expand(t, h, w).reshape(-1)
         column = torch.arange(w).view(1, 1, w).expand(t, h, w).reshape(-1)
         out[:, i:i + n] = pos + torch.stack([frame, row, column])
-        pos = pos + max(t, h, w)
-        i, used = i + n, used + 1
-    if used != len(grids):
-        raise ImagePadMismatch(f"{len(grids)} image(s) but pads for {used}")
-    return out
+        pos, i, used, k = pos + max(t, h, w), i + n, used + 1, k + n
+    return out, used
 
 
 def encode_image_data(image: Any) -> str:

@@ -16,7 +16,7 @@ from rollout.engine_client import EngineClient, EngineError
 from rollout.memory import StepRecord, WindowMemory
 from rollout.prompts import PromptConfig, PromptTooLong, build_prompt
 from rollout.vision import (
-    ImagePadMismatch,
+    ImageTokenMismatch,
     encode_image_data,
     expand_image_pads,
     is_vision_model,
@@ -124,11 +124,11 @@ def test_the_budget_counts_expanded_ids(tokenizer, processor):
 
 def test_pad_and_image_counts_must_agree():
     assert expand_image_pads([5, 9, 6, 9], 9, [2, 3]) == [5, 9, 9, 6, 9, 9, 9]
-    with pytest.raises(ImagePadMismatch, match=r"2 image pad token\(s\) \(id 9\) but 1 image"):
+    with pytest.raises(ImageTokenMismatch, match=r"2 image pad token\(s\) \(id 9\) but 1 image"):
         expand_image_pads([5, 9, 6, 9], 9, [2])
-    with pytest.raises(ImagePadMismatch, match="beyond the prompt's 0 image"):
+    with pytest.raises(ImageTokenMismatch, match="beyond the 0 image"):
         mrope_positions([5, 9, 9, 9, 9], 9, None, 2)
-    with pytest.raises(ImagePadMismatch, match="needs 4 consecutive pads"):
+    with pytest.raises(ImageTokenMismatch, match="needs 4 consecutive image tokens"):
         mrope_positions([5, 9, 9, 6], 9, torch.tensor([[1, 4, 4]]), 2)
 
 
