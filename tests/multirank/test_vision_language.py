@@ -26,7 +26,7 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 LAYOUTS = [dict(), dict(tp=2), dict(tp=2, sequence_parallel=True), dict(pp=2)]
 MOE_LAYOUTS = [dict(), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(ep=2)]
 FOUR_RANK_LAYOUT = dict(tp=2, pp=2)
-FOUR_RANK_FAMILIES = ["qwen2_5_vl", "qwen3_vl"]  # the MoE's vision side is qwen3_vl's
+FOUR_RANK_FAMILIES = FAMILIES
 
 
 def _layouts(family: str) -> list[dict]:
