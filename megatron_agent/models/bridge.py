@@ -7,6 +7,8 @@
   each pipeline stage (data-parallel rank 0, tensor-parallel rank 0) yields its stage's
   tensors, the other ranks yield nothing. It holds one parameter's full tensors at a
   time, so a consumer that buckets them bounds memory by its bucket.
+- `hf_tensors_gathering_experts(fulls, dims, E)`: the same for full tensors that arrive
+  one at a time in one process (the converter), gathering fused experts per layer.
 
 The mapping itself is data: one table of `Rule`s per family (models/families/). This
 module only knows the few layouts a rule can name: QKV interleaved per query group,
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -313,6 +315,32 @@ def shape_mismatch(m: ParamMapping, megatron_name: str, expected: tuple, tensors
 def hf_from_full(m: ParamMapping, full: torch.Tensor, dims: Dims, expert: int | None = None):
     """(HF name, tensor) pairs a full Megatron tensor splits into."""
     return list(zip(m.hf_names(expert), unfuse(m.rule.fuse, full, dims)))
+
+
+def hf_tensors_gathering_experts(fulls: Iterable[tuple[ParamMapping, torch.Tensor]], dims: Dims,
+                                 num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of full Megatron tensors arriving one at a time (at EP=1,
+    so an expert's local index is its global one). A fused expert tensor is filled, in
+    the published layout, as its experts arrive (in any order) and yielded after its last:
+    it holds one fused tensor per HF name being filled, never the experts twice."""
+    filling: dict[str, tuple[torch.Tensor, set[int]]] = {}
+    for m, full in fulls:
+        if m.rule.fuse != FUSED_EXPERTS:
+            yield from hf_from_full(m, full, dims, m.local_expert)
+            continue
+        (hf_name,) = m.hf_names(m.local_expert)
+        fused, seen = filling.setdefault(hf_name, (full.new_empty(num_experts, *full.shape[::-1]), set()))
+        if m.local_expert in seen or tuple(fused.shape[1:]) != tuple(full.shape[::-1]):
+            raise WeightMappingError(f"{hf_name!r}: expert {m.local_expert} of shape {tuple(full.shape)} does not "
+                                     f"fit the experts gathered so far ({sorted(seen)}, {tuple(fused.shape)})")
+        fused[m.local_expert].copy_(full.T)
+        seen.add(m.local_expert)
+        if len(seen) == num_experts:
+            del filling[hf_name]
+            yield hf_name, fused
+    if filling:
+        missing = {n: sorted(set(range(num_experts)) - seen) for n, (_, seen) in filling.items()}
+        raise WeightMappingError(f"fused expert tensors left without some of their experts: {missing}")
 
 
 def load_hf_weights(chunks: list, hf_dir: str | Path, *, progress: bool = False, skip=None) -> int:

@@ -24,7 +24,7 @@ from megatron_agent.models.checkpoint import (
     load_mcore_checkpoint,
     read_mcore_metadata,
 )
-from megatron_agent.models.families import UnsupportedModelError, family_of
+from megatron_agent.models.families import family_of
 from megatron_agent.models.transformer_config import read_hf_config, validate_layout_for_model
 from megatron_agent.platform.parallel import ParallelConfig
 
@@ -112,11 +112,11 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
         shape_mismatch,
     )
     from megatron_agent.models.checkpoint_stream import write_checkpoint
+    from megatron_agent.models.families.common import FUSED_EXPERTS
 
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
     family = family_of(hf)  # an unsupported family fails here, before anything is written
-    _refuse_fused_experts(hf)
     if parallel is not None:
         parallel.validate(world_size_for(parallel))
         validate_layout_for_model(hf, parallel, training=False)
@@ -134,9 +134,22 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
             raise shape_mismatch(m, param.name, param.shape, metas, ckpt.source, m.local_expert)
 
     progress = tqdm(total=len(layout.params), desc="hf -> mcore", unit="param")
+    held: dict[tuple[int, str], torch.Tensor] = {}  # the fused expert tensors of the layer being written
+
+    def expert_of_fused(param) -> torch.Tensor:
+        m = mappings[param.name]
+        key = (m.layer, *m.hf_names())
+        if key not in held:
+            for other in [k for k in held if k[0] != m.layer]:  # a new layer: the last one's are written
+                del held[other]
+            held[key] = ckpt.get(key[1], param.name)
+        return full_from_hf(m, param.name, [held[key]], dims, ckpt.source, m.local_expert)
 
     def param_rows(param) -> list[torch.Tensor]:
-        rows = fused_rows(mappings[param.name].rule.fuse, hf_tensors(param.name, ckpt.get), dims)
+        if mappings[param.name].rule.fuse == FUSED_EXPERTS:  # one read per layer, one copy per expert
+            rows = [expert_of_fused(param).to(param.dtype).contiguous()]
+        else:
+            rows = fused_rows(mappings[param.name].rule.fuse, hf_tensors(param.name, ckpt.get), dims)
         progress.update()
         return [block.to(param.dtype) for block in rows]
 
@@ -153,14 +166,6 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
         }, indent=2))
     log.info("wrote %s (%s, %s)", out_dir, family.name, dtype)
     return Path(out_dir)
-
-
-def _refuse_fused_experts(hf: dict) -> None:
-    from megatron_agent.models.families.common import FUSED_EXPERTS
-
-    if any(rule.fuse == FUSED_EXPERTS for rule in family_of(hf).rules(hf)):
-        raise UnsupportedModelError(f"{hf['model_type']}: the converter does not handle fused experts yet "
-                                    "(the trainer and the weight sync do, through the bridge)")
 
 
 def _layout_dict(parallel: ParallelConfig) -> dict:
@@ -188,31 +193,34 @@ def mcore_to_hf(
     safetensors shards of at most `max_shard_bytes`, config and tokenizer.
 
     Reads one parameter at a time, splits it with the bridge's rules and appends its HF
-    tensors to shards laid out beforehand. `dtype` defaults to the checkpoint's own.
+    tensors to shards laid out beforehand; experts stored fused per layer are gathered
+    into their HF tensor (published layout), which is written after its last expert.
+    `dtype` defaults to the checkpoint's own.
     """
     from tqdm import tqdm
 
-    from megatron_agent.models.bridge import Dims, hf_from_full
+    from megatron_agent.models.bridge import Dims, hf_tensors_gathering_experts
     from megatron_agent.models.checkpoint_stream import read_params
     from megatron_agent.models.safetensors_io import TensorSpec, write_streamed_shards
+    from megatron_agent.models.transformer_config import num_experts
 
     mcore_dir = Path(mcore_dir)
     meta = read_mcore_metadata(mcore_dir)
     side = Path(hf_config_dir) if hf_config_dir else mcore_dir / "hf"
     hf = read_hf_config(side)
-    _refuse_fused_experts(hf)
     out_dtype = DTYPES[target_dtype(meta["dtype"], dtype)]
     layout, mappings = _checkpoint_layout(hf, DTYPES[meta["dtype"]])
     dims = Dims.from_hf(hf, 1)
     exported = [p for p in layout.params if mappings[p.name].rule.export]
 
-    def hf_tensors(param, full):
-        return hf_from_full(mappings[param.name], full, dims, mappings[param.name].local_expert)
+    def hf_tensors(params_and_fulls):
+        fulls = ((mappings[p.name], full.to(out_dtype)) for p, full in params_and_fulls)
+        return hf_tensors_gathering_experts(fulls, dims, num_experts(hf) or 0)
 
-    specs = [TensorSpec(n, tuple(t.shape), out_dtype) for p in exported
-             for n, t in hf_tensors(p, torch.empty(p.shape, device="meta"))]
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype)
+             for n, t in hf_tensors((p, torch.empty(p.shape, device="meta")) for p in exported)]
     params = tqdm(read_params(mcore_dir, exported), desc="mcore -> hf", total=len(exported), unit="param")
-    tensors = ((n, t.to(out_dtype)) for p, full in params for n, t in hf_tensors(p, full))
+    tensors = hf_tensors(params)
     with atomic_directory(out_dir) as tmp:
         written = write_streamed_shards(specs, tensors, tmp, max_shard_bytes)
         copy_hf_side_files(side, tmp)
