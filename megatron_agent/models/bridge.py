@@ -317,24 +317,24 @@ def hf_from_full(m: ParamMapping, full: torch.Tensor, dims: Dims, expert: int | 
     return list(zip(m.hf_names(expert), unfuse(m.rule.fuse, full, dims)))
 
 
-def hf_tensors_gathering_experts(fulls: Iterable[tuple[ParamMapping, torch.Tensor]], dims: Dims,
+def hf_tensors_gathering_experts(fulls: Iterable[tuple[ParamMapping, int | None, torch.Tensor]], dims: Dims,
                                  num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of full Megatron tensors arriving one at a time (at EP=1,
-    so an expert's local index is its global one). A fused expert tensor is filled, in
-    the published layout, as its experts arrive (in any order) and yielded after its last:
-    it holds one fused tensor per HF name being filled, never the experts twice."""
+    """(HF name, tensor) pairs of full Megatron tensors arriving one at a time, each with
+    its global expert index (None: not an expert). A fused expert tensor is filled, in the
+    published layout, as its experts arrive (in any order) and yielded after its last: it
+    holds one fused tensor per HF name being filled, never the experts twice."""
     filling: dict[str, tuple[torch.Tensor, set[int]]] = {}
-    for m, full in fulls:
+    for m, expert, full in fulls:
         if m.rule.fuse != FUSED_EXPERTS:
-            yield from hf_from_full(m, full, dims, m.local_expert)
+            yield from hf_from_full(m, full, dims, expert)
             continue
-        (hf_name,) = m.hf_names(m.local_expert)
+        (hf_name,) = m.hf_names(expert)
         fused, seen = filling.setdefault(hf_name, (full.new_empty(num_experts, *full.shape[::-1]), set()))
-        if m.local_expert in seen or tuple(fused.shape[1:]) != tuple(full.shape[::-1]):
-            raise WeightMappingError(f"{hf_name!r}: expert {m.local_expert} of shape {tuple(full.shape)} does not "
+        if expert in seen or tuple(fused.shape[1:]) != tuple(full.shape[::-1]):
+            raise WeightMappingError(f"{hf_name!r}: expert {expert} of shape {tuple(full.shape)} does not "
                                      f"fit the experts gathered so far ({sorted(seen)}, {tuple(fused.shape)})")
-        fused[m.local_expert].copy_(full.T)
-        seen.add(m.local_expert)
+        fused[expert].copy_(full.T)
+        seen.add(expert)
         if len(seen) == num_experts:
             del filling[hf_name]
             yield hf_name, fused
@@ -422,29 +422,21 @@ def export_hf_weights(chunks: list, hf: dict) -> Iterator[tuple[str, torch.Tenso
     dims = Dims.from_hf(hf, ps.get_tensor_model_parallel_world_size())
     source = is_export_source()
     experts_per_rank = bridge.num_experts // ps.get_expert_model_parallel_world_size() if bridge.num_experts else 0
-    fused: dict[str, dict[int, torch.Tensor]] = {}  # fused expert tensors being gathered, by HF name
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            m = bridge.mapping(chunk, name)
-            if not m.rule.export:
-                continue
-            local = param.detach()
-            if m.rule.split != REPLICATED:
-                local = unshard(m.rule.split, _all_gather(local, _tp_group(m.is_expert)))
-            if m.is_expert:
-                for ep_rank, full in enumerate(_all_gather(local, ps.get_expert_model_parallel_group())):
-                    if not source:
-                        continue
-                    expert = ep_rank * experts_per_rank + m.local_expert
-                    if m.rule.fuse != FUSED_EXPERTS:
-                        yield from hf_from_full(m, full, dims, expert)
-                        continue
-                    (hf_name,) = m.hf_names(expert)
-                    experts = fused.setdefault(hf_name, {})
-                    experts[expert] = full
-                    if len(experts) == bridge.num_experts:  # written in the published layout
-                        del fused[hf_name]
-                        stacked = torch.stack([experts[e] for e in range(len(experts))])
-                        yield hf_name, stacked.transpose(1, 2).contiguous()
-            elif source:
-                yield from hf_from_full(m, local, dims)
+
+    def fulls():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                m = bridge.mapping(chunk, name)
+                if not m.rule.export:
+                    continue
+                local = param.detach()
+                if m.rule.split != REPLICATED:
+                    local = unshard(m.rule.split, _all_gather(local, _tp_group(m.is_expert)))
+                if m.is_expert:
+                    for ep_rank, full in enumerate(_all_gather(local, ps.get_expert_model_parallel_group())):
+                        if source:
+                            yield m, ep_rank * experts_per_rank + m.local_expert, full
+                elif source:
+                    yield m, None, local
+
+    yield from hf_tensors_gathering_experts(fulls(), dims, bridge.num_experts)

@@ -214,7 +214,7 @@ def mcore_to_hf(
     exported = [p for p in layout.params if mappings[p.name].rule.export]
 
     def hf_tensors(params_and_fulls):
-        fulls = ((mappings[p.name], full.to(out_dtype)) for p, full in params_and_fulls)
+        fulls = ((mappings[p.name], mappings[p.name].local_expert, full.to(out_dtype)) for p, full in params_and_fulls)
         return hf_tensors_gathering_experts(fulls, dims, num_experts(hf) or 0)
 
     specs = [TensorSpec(n, tuple(t.shape), t.dtype)
