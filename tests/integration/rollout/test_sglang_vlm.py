@@ -218,3 +218,26 @@ def test_weight_update_under_checkpoint_names(server, reference, model_dir, tmp_
     finally:  # back to the weights on disk
         load_from_disk(server, model_dir)
     assert_matches_reference(server, reference, batch)
+
+
+def _visual_job(overrides: list[str]) -> list[dict]:
+    from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
+
+    return train(load_run_config(overrides))
+
+
+def test_visual_job_against_sglang(server, model_dir, tmp_path):
+    """The visual CPU job with this server as its engine: images go as `image_data`, and
+    after each weight sync the server's logprobs equal the actor's within 1e-4."""
+    from megatron_agent.platform.launch import run_on_ranks
+
+    load_from_disk(server, model_dir)  # the driver's first check holds the served weights to the disk's
+    history = run_on_ranks(_visual_job, 1, ["+experiment=visual-quiz", f"run_dir={tmp_path / 'run'}",
+                                            f"model_dir={model_dir}", f"engine.urls=['{server.url}']",
+                                            "num_groups=2", "group_size=2", "iterations=2", "stop_success=null",
+                                            "val_every=0", "save_every=0", "samples_every=0"], timeout_s=600)[0]
+    assert [row["iteration"] for row in history] == [0, 1]
+    for row in history:
+        assert row["weight_sync/bytes"] > 0 and row["train/num_samples"] == 4
+        assert row["check/rollout_logprob_max_abs_diff"] <= 1e-4, row
