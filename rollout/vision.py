@@ -122,8 +122,9 @@ def image_positions(is_image: list[bool], grids: list[list[int]], merge: int) ->
     on all three axes; an image starting at position p takes p + (frame, row, column) of
     its merged grid (each image one block of t * h * w / merge**2 tokens); the token after
     it takes the largest position so far + 1 (p + max(t, h, w)), as transformers'
-    `get_rope_index` and SGLang do. The one implementation of the rule: the engine's
-    prompts and the trainer's micro-batches (models/vision_inputs.py) use it."""
+    `get_rope_index` and SGLang do. The trainer's copy of the rule is
+    models/vision_inputs.py `mrope_position_ids` (the floors keep megatron_agent.models
+    and rollout apart); both are tested against transformers'."""
     n_tokens = len(is_image)
     out = torch.empty(3, n_tokens, dtype=torch.long)
     image_at = [i for i, flag in enumerate(is_image) if flag] + [n_tokens]

@@ -37,3 +37,28 @@ def vlm_batch(model_dir, images_per_row=(0, 1, 2), seed: int = 0) -> dict:
     out = processor(images=images, return_tensors="pt")
     return dict(input_ids=input_ids, attention_mask=attention_mask, pixel_values=out["pixel_values"],
                 image_grid_thw=out["image_grid_thw"], mm_token_type_ids=(input_ids == image_id).int())
+
+
+def perturbed_checkpoint(model_dir, out_dir) -> dict[str, torch.Tensor]:
+    """A copy of a tiny VLM's checkpoint with some vision and language tensors changed
+    (under their on-disk names: a vision MLP, the merger, the patch embedding, layer 1's
+    q_proj and up_proj or fused experts); returns those tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    picked = [n for n in tensors if "visual.blocks.0.mlp." in n and tensors[n].dim() == 2][:1]
+    picked += [n for n in tensors if "visual" in n and "merger" in n][:1]
+    picked += [n for n in tensors if "visual" in n and "patch_embed" in n][:1]
+    picked += [n for n in tensors if "layers.1." in n and n.endswith(("q_proj.weight", "experts.gate_up_proj",
+                                                                      "mlp.up_proj.weight"))]
+    assert len(picked) == 5 and sum("visual" in n for n in picked) == 3, picked
+    changed = {}
+    for n in picked:
+        changed[n] = tensors[n] + 0.05 * torch.randn(tensors[n].shape, generator=gen)
+        tensors[n] = changed[n]
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return changed

@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from rollout.vision import ImageTokenMismatch, image_positions, image_token_counts
+
+class ImageTokenMismatch(ValueError):
+    """Image tokens in the ids and images given do not agree."""
+
+
+def image_token_counts(image_grid_thw: torch.Tensor | None, merge: int) -> list[int]:
+    if image_grid_thw is None:
+        return []
+    return [int(t * h * w) // merge**2 for t, h, w in image_grid_thw.tolist()]
 
 
 def image_token_mask(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, images_per_row: list[int], *,
@@ -56,13 +64,29 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | N
     used = 0
     for row in range(b):
         is_image = (input_ids[row] == image_token_id if image_mask is None else image_mask[row]).tolist()
-        try:
-            out[:, row], n = image_positions(is_image, grids[used:], spatial_merge_size)
-        except ImageTokenMismatch as err:
-            raise ImageTokenMismatch(f"row {row}: {err}") from None
-        used += n
+        i, pos = 0, 0
+        while i < s:
+            j = i
+            while j < s and not is_image[j]:
+                j += 1
+            out[:, row, i:j] = torch.arange(pos, pos + j - i)
+            pos, i = pos + j - i, j
+            if i == s:
+                break
+            if used == len(grids):
+                raise ImageTokenMismatch(f"row {row} has image tokens at column {i} beyond the {len(grids)} image grids")
+            t, h, w = grids[used]
+            h, w = h // spatial_merge_size, w // spatial_merge_size
+            n = t * h * w
+            if i + n > s or not all(is_image[i:i + n]):
+                raise ImageTokenMismatch(
+                    f"image {used} (grid {grids[used]}) needs {n} consecutive image tokens at row {row}, column {i}"
+                )
+            frame, height, width = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+            out[:, row, i:i + n] = torch.stack([frame, height, width]).reshape(3, n) + pos
+            pos, i, used = pos + max(h, w), i + n, used + 1
     if used != len(grids):
-        raise ImageTokenMismatch(f"{len(grids)} image grid(s) given, the ids hold image tokens for {used}")
+        raise ImageTokenMismatch(f"{len(grids)} image grids given, the ids hold image tokens for {used}")
     return out
 
 

