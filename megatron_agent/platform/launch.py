@@ -58,8 +58,24 @@ def run_on_ranks(
     """Call `fn(*args, **kwargs)` on `world_size` spawned ranks; return results by rank.
 
     `fn` must be importable (a module-level function). A failure on any rank raises
-    RankFailed with that rank's traceback, after the other ranks are stopped.
+    RankFailed with that rank's traceback, after the other ranks are stopped. The
+    rendezvous port is free when picked but may be taken before rank 0 binds it (another
+    process on the machine): that failure, and only it, is retried on a fresh port.
     """
+    for attempt in range(_PORT_RETRIES):
+        try:
+            return _launch(fn, world_size, args, kwargs, timeout_s, threads_per_rank)
+        except RankFailed as err:
+            if _PORT_TAKEN not in str(err) or attempt == _PORT_RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_RETRIES = 3
+_PORT_TAKEN = "EADDRINUSE"  # torch's DistNetworkError when the rendezvous store cannot bind
+
+
+def _launch(fn, world_size: int, args, kwargs, timeout_s: float, threads_per_rank: int | None) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)

@@ -48,3 +48,22 @@ def test_exception_is_reported_with_traceback():
 def test_dead_rank_is_reported():
     with pytest.raises(RankFailed, match=r"rank\(s\) \[1\] exited without a result \(exit codes \{1: 3\}\)"):
         run_on_ranks(_die_on_rank_one, 2, timeout_s=60)
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_retried_on_a_fresh_one(monkeypatch):
+    import socket
+
+    from megatron_agent.platform import launch
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    fresh = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or fresh())
+    try:
+        assert [r["sum"] for r in run_on_ranks(_all_reduce_rank, 2, timeout_s=120)] == [3.0, 3.0]
+    finally:
+        taken.close()
+    with pytest.raises(RankFailed, match="rank one says no"):  # other failures are not retried
+        run_on_ranks(_fail_on_rank_one, 2, timeout_s=60)
