@@ -92,8 +92,7 @@ def train_batch(samples: Sequence, pad_id: int, temperature: float):
     set once the critic, if any, has valued them)."""
     from megatron_agent.training.batch import TrainBatch
 
-    images = [None if getattr(s, "pixel_values", None) is None else (s.pixel_values, s.image_grid_thw)
-              for s in samples]
+    images = [None if s.pixel_values is None else (s.pixel_values, s.image_grid_thw) for s in samples]
     return TrainBatch.from_sequences([list(s.prompt_ids) for s in samples], [list(s.response_ids) for s in samples],
                                      pad_id=pad_id, rollout_logprobs=[list(s.rollout_logprobs) for s in samples],
                                      temperature=temperature, images=images)
