@@ -22,14 +22,18 @@ begin, end, continue; over a group, no flush or version call of their own). The
 sender's CPU seconds per sync (`cpu`, every thread of this process) are next to the raw
 broadcast's (`raw cpu`): what the sync adds to the bytes' own cost.
 
-Each format gets a warm-up sync first (it joins the group and allocates; per tensor, it
-also records the export's layout, so the measured syncs are streamed).
+Each format gets a warm-up sync first (it joins the group and allocates, and records the
+export's layout: per tensor, the measured syncs are streamed; flattened, the runs of
+tensors lying back to back in the parameters' memory go from there, `in place` MB). The
+actor packs its parameters (`bridge.pack_parameters`) as at one data-parallel rank;
+`--distributed-optimizer` leaves them in Megatron's DDP buffer instead, as at DP > 1.
 
 The last line is the figure for the default config (`WeightSyncConfig`: its format over a
 weight-update group, its bucket size). On a shared CPU the figures move by tens of
 percent from run to run; the ratio is taken within each pair of runs.
 
-Run: `.venv/bin/python bench/weight_sync.py [--layers 11] [--buckets-mib 32,128,512]`.
+Run: `.venv/bin/python bench/weight_sync.py [--layers 11] [--buckets-mib 32,128,512]
+[--distributed-optimizer]`.
 """
 
 from __future__ import annotations
@@ -154,6 +158,8 @@ def main() -> None:
     parser.add_argument("--formats", default="flattened,per_tensor", help="flattened and/or per_tensor")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads here and in the helper")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="parameters in Megatron's DDP buffer (as at DP > 1), not packed for the export")
     args = parser.parse_args()
     os.environ.setdefault("WORLD_SIZE", "1")
     threads = args.threads or torch.get_num_threads()
@@ -172,8 +178,8 @@ def main() -> None:
     from rollout.engine_launch import launch_engines, stop_engines
 
     default = WeightSyncConfig()
-    # the default format over a weight-update group (None: per tensor there)
-    default_case = (bool(default.flattened), default.bucket_bytes)
+    # the default format over a weight-update group (None: flattened)
+    default_case = (default.flattened is not False, default.bucket_bytes)
     cases = sorted({(fmt == "flattened", int(float(b) * MIB)) for fmt in args.formats.split(",")
                     for b in args.buckets_mib.split(",")} | {default_case}, key=lambda c: (not c[0], c[1]))
     load_before = os.getloadavg()
@@ -195,7 +201,7 @@ def main() -> None:
 
         t = time.perf_counter()
         ctx = init_distributed(ParallelConfig())
-        actor = Actor(model_dir, ctx.parallel, ActorConfig(use_distributed_optimizer=False),
+        actor = Actor(model_dir, ctx.parallel, ActorConfig(use_distributed_optimizer=args.distributed_optimizer),
                       AlgorithmConfig(use_kl_loss=False))
         actor_s = time.perf_counter() - t
 
@@ -256,7 +262,9 @@ def main() -> None:
 
     print(f"qwen3 {args.layers} layers, hidden {args.hidden}: {total / 1e6:.0f} MB exported in {count} tensors "
           f"({on_disk / 1e6:.0f} MB safetensors), fp32, 1 trainer rank -> 1 embedded engine, gloo, "
-          f"{threads} torch threads, {os.cpu_count()} CPUs; load average (1 min) {load_before[0]:.1f} before, "
+          f"{threads} torch threads, {os.cpu_count()} CPUs, parameters "
+          f"{'in the DDP buffer' if args.distributed_optimizer else 'packed'}; load average (1 min) "
+          f"{load_before[0]:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
     print(f"setup: write model {write_s:.1f} s, engine start {engine_start_s:.1f} s, actor build {actor_s:.1f} s; "
           f"export alone (iterate named_hf_weights, one thread as in a sync) {export_s:.3f} s")
@@ -264,19 +272,23 @@ def main() -> None:
     print(f"median of {args.repeats} syncs after a warm-up sync, each followed by a raw gloo broadcast of the same "
           f"bytes in the same bucket sizes to a helper process")
     print(f"{'format':>10}{'bucket':>8}{'buckets':>8}{'sync s':>9}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}{'raw/sync':>9}"
-          f"{'1st s':>8}  | {'open':>6}{'wire':>7}{'close':>7} | {'write':>6}{'control':>8} | {'cpu':>6}{'raw cpu':>8}")
+          f"{'1st s':>8}  | {'open':>6}{'wire':>7}{'close':>7} | {'write':>6}{'control':>8} | {'cpu':>6}{'raw cpu':>8}"
+          f" | {'in place':>8}")
     for (flattened, bucket), seconds, raw_s, ratio, first_s, parts, metrics in rows:
         print(f"{'flattened' if flattened else 'per_tensor':>10}{bucket // MIB:>5}MiB{int(metrics['weight_sync/buckets']):>8}{seconds:>9.3f}"
               f"{metrics['weight_sync/bytes'] / 1e9 / seconds:>7.2f}{raw_s:>8.3f}"
               f"{total / 1e9 / raw_s:>9.2f}{ratio:>9.2f}{first_s:>8.2f}  | "
               f"{parts['open']:>6.3f}{parts['wire']:>7.3f}{parts['close']:>7.3f} | {parts['write']:>6.3f}"
-              f"{parts['control']:>8.3f} | {parts['cpu']:>6.3f}{parts['raw_cpu']:>8.3f}")
+              f"{parts['control']:>8.3f} | {parts['cpu']:>6.3f}{parts['raw_cpu']:>8.3f} | "
+              f"{metrics['weight_sync/bytes_in_place'] / 1e6:>5.0f} MB")
     print("open + wire + close = sync s: open = start to the first broadcast (pause, begin, first bucket "
           "ready and announced), wire = first broadcast to the last bucket answered, close = end, "
           "continue, collectives; write = exported tensors into bucket buffers (flattened), control = the "
           "control requests (both overlap the above); cpu = this process's CPU seconds in the sync, raw cpu = in "
-          "the raw broadcast (medians are of the median-time run)")
-    print(f"default config: {'flattened' if default_case[0] else 'per tensor (streamed)'} over a weight-update group, "
+          "the raw broadcast; in place = bytes sent straight from the parameters' memory (medians are of the "
+          "median-time run)")
+    print(f"default config: {'flattened (laid-out runs from memory)' if default_case[0] else 'per tensor (streamed)'} "
+          f"over a weight-update group, "
           f"{default.bucket_bytes // MIB} MiB buckets")
     _, _, _, ratio, _, _, metrics = next(r for r in rows if r[0] == default_case)
     print(f"weight_sync: {ratio:.2f} of raw broadcast ({total / 1e6:.0f} MB, "

@@ -388,6 +388,55 @@ def load_hf_weights(chunks: list, hf_dir: str | Path, *, progress: bool = False,
     return len(params)
 
 
+# --- laying parameters out for the export -----------------------------------------------
+
+
+def exported_as_views(m: ParamMapping, tp_size: int, expert_tp_size: int, ep_size: int) -> bool:
+    """Whether the export yields this parameter's HF tensors as views of its own memory:
+    nothing to gather (replicated, or a group of one) and nothing to rebuild (q/k/v are
+    copied out of their interleaved groups, fused experts are gathered)."""
+    if not m.rule.export or m.rule.fuse not in (IDENTITY, GATE_UP, VOCAB):
+        return False
+    split_over = expert_tp_size if m.is_expert else tp_size
+    return (m.rule.split == REPLICATED or split_over == 1) and not (m.is_expert and ep_size > 1)
+
+
+def pack_parameters(chunks: list, hf: dict) -> int:
+    """Lay each chunk's parameters out in one storage per dtype: first, in `named_parameters`
+    order, those the export yields as views of themselves, then the rest. The export then
+    yields long runs of back-to-back tensors, which the weight sync sends straight from
+    memory (weight_sync/buckets.py). Values are kept. Call before DDP and the optimizer see
+    the parameters (the distributed optimizer lays them out in its own buffer instead).
+    Returns the bytes laid out as views."""
+    from megatron.core import parallel_state as ps
+
+    bridge = Bridge(hf)
+    sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+             ps.get_expert_model_parallel_world_size())
+    view_bytes = 0
+    for chunk in chunks:
+        views, rest = [], []
+        for name, param in chunk.named_parameters():
+            try:
+                as_view = exported_as_views(bridge.mapping(chunk, name), *sizes)
+            except WeightMappingError:  # not exported (a critic's value head)
+                as_view = False
+            (views if as_view else rest).append(param)
+            view_bytes += param.numel() * param.element_size() if as_view else 0
+        groups: dict[tuple, list[torch.nn.Parameter]] = {}
+        for param in views + rest:
+            groups.setdefault((param.dtype, param.device), []).append(param)
+        for (dtype, device), params in groups.items():
+            flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
+            offset = 0
+            with torch.no_grad():
+                for p in params:
+                    flat[offset:offset + p.numel()].copy_(p.reshape(-1))
+                    p.data = flat[offset:offset + p.numel()].view(p.shape)
+                    offset += p.numel()
+    return view_bytes
+
+
 # --- exporting HF tensors -------------------------------------------------------------
 
 

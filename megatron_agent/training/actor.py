@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_agent.algorithms import AlgorithmConfig, actor_loss
-from megatron_agent.models.bridge import export_hf_weights, load_hf_weights
+from megatron_agent.models.bridge import export_hf_weights, load_hf_weights, pack_parameters
 from megatron_agent.models.builder import build_model
 from megatron_agent.models.checkpoint import DTYPES, copy_hf_side_files, model_state, read_mcore_metadata
 from megatron_agent.models.families import family_of
@@ -113,6 +113,8 @@ class Actor:
         if distributed is None:
             distributed = self.dp_size > 1
         self.distributed_optimizer = distributed
+        if not distributed:  # the distributed optimizer lays the parameters out in its own buffer
+            pack_parameters(chunks, self.hf)
         self.model = wrap_with_ddp(chunks, use_distributed_optimizer=distributed)
         attach_grad_finalization(self.model)
         self.optimizer = get_megatron_optimizer(

@@ -22,6 +22,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +73,7 @@ class BucketPipeline:
         self.send, self.bucket_bytes, self.flattened, self.buffers = send, bucket_bytes, flattened, buffers
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-send")
         self.slot_futures: list[Future | None] = [None, None]
+        self.laid_out_futures: list[Future] = []  # buckets sent from where they lie (send_laid_out)
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.pending_bytes = 0
         self.buckets = 0
@@ -116,12 +118,24 @@ class BucketPipeline:
         self.buckets += 1
         self.sent_bytes += nbytes
 
+    def send_laid_out(self, named: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
+        """Hand the sender thread a bucket whose bytes already lie in `flat`, in the order of
+        `named` (meta tensors): no buffer, no copy. It goes before any bucket `add` cuts later."""
+        if self.failed:
+            return
+        self.laid_out_futures.append(self.executor.submit(self._send_unless_failed, named, flat))
+        self.buckets += 1
+        self.sent_bytes += flat.numel() * flat.element_size()
+
     def finish(self, send_pending: bool = True) -> list[str]:
         """Send what is pending (or drop it), wait for every bucket; the errors, if any."""
         if send_pending:
             self.flush()
         for slot in (0, 1):
             self._wait(slot)
+        for future in self.laid_out_futures:
+            self._record(future)
+        self.laid_out_futures = []
         self.executor.shutdown(wait=True)
         return self.errors
 
@@ -143,6 +157,9 @@ class BucketPipeline:
         for slot, future in enumerate(self.slot_futures):
             if future is not None and future.done():
                 self._wait(slot)
+        for future in [f for f in self.laid_out_futures if f.done()]:
+            self.laid_out_futures.remove(future)
+            self._record(future)
 
     def _record(self, future: Future) -> None:
         try:
@@ -151,7 +168,7 @@ class BucketPipeline:
             self.errors.append(f"{type(err).__name__}: {err}")
 
 
-# --- streamed per-tensor buckets -------------------------------------------------------
+# --- the export's layout, recorded by one sync for the next ---------------------------------
 
 Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]  # (name, dtype, shape) in send order
 
@@ -164,6 +181,82 @@ def entry_bytes(entry) -> int:
     _, dtype, shape = entry
     return math.prod(shape) * dtype.itemsize
 
+
+# --- flattened buckets sent from where they lie --------------------------------------------
+
+# Where an exported tensor lies: (storage's data pointer, byte offset) inside a parameter's
+# storage, or None for a tensor the export made (q/k/v, gathered shards, FP8).
+Where = tuple[int, int] | None
+
+
+def where_it_lies(tensor: torch.Tensor, parameter_storages: set[int]) -> Where:
+    if not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() not in parameter_storages:
+        return None
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset() * tensor.element_size()
+
+
+def plan_spans(layout: Layout, where: list[Where], bucket_bytes: int, min_bytes: int) -> list[list[int]]:
+    """Positions in `layout` of each bucket to send from memory: tensors lying back to back
+    in one storage, in address order (whatever order the export yields them in), at most
+    `bucket_bytes` (a larger tensor alone), at least `min_bytes`."""
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    for i, (entry, w) in enumerate(zip(layout, where)):
+        if w is not None:
+            by_storage.setdefault(w[0], []).append((w[1], entry_bytes(entry), i))
+    spans: list[list[int]] = []
+    for items in by_storage.values():
+        run, end, total = [], 0, 0
+        for offset, nbytes, i in sorted(items):
+            if run and (offset != end or total + nbytes > bucket_bytes):
+                if total >= min_bytes:
+                    spans.append(run)
+                run, total = [], 0
+            run.append(i)
+            end, total = offset + nbytes, total + nbytes
+        if total >= min_bytes:
+            spans.append(run)
+    return spans
+
+
+@dataclass
+class InPlaceBuckets:
+    """What a flattened sync learned for the next one: the export's layout, where each tensor
+    lies, and the buckets (`plan_spans`) that can go straight from the parameters' memory
+    as long as no parameter moved to another storage."""
+
+    layout: Layout
+    where: list[Where]
+    spans: list[list[int]]
+    storages: dict[int, torch.UntypedStorage]  # kept alive: the spans are views of them
+    parameter_pointers: list[int]  # each parameter's storage when planned
+
+    @classmethod
+    def plan(cls, layout: Layout, where: list[Where], parameters: list[torch.Tensor], bucket_bytes: int,
+             min_bytes: int):
+        spans = plan_spans(layout, where, bucket_bytes, min_bytes)
+        in_spans = {where[span[0]][0] for span in spans}
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in parameters}
+        return cls(list(layout), list(where), spans, {ptr: storages[ptr] for ptr in in_spans},
+                   [p.untyped_storage().data_ptr() for p in parameters])
+
+    def holds(self, parameters: list[torch.Tensor]) -> bool:
+        return [p.untyped_storage().data_ptr() for p in parameters] == self.parameter_pointers
+
+    @property
+    def positions(self) -> set[int]:
+        return {i for span in self.spans for i in span}
+
+    def bucket(self, span: list[int]) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+        """(names as meta tensors, the bytes they occupy) of one span."""
+        ptr, start = self.where[span[0]]
+        named = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, dtype, shape in
+                 (self.layout[i] for i in span)]
+        nbytes = sum(entry_bytes(self.layout[i]) for i in span)
+        storage = self.storages[ptr]
+        return named, torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (nbytes,))
+
+
+# --- streamed per-tensor buckets -------------------------------------------------------
 
 def cut_buckets(layout: Layout, bucket_bytes: int) -> list[tuple[int, int]]:
     """[start, end) of each per-tensor bucket, cut as `BucketPipeline` cuts them."""

@@ -2,7 +2,9 @@
 in-place receive planning (rollout/engine_weights.py), without process groups: what a
 fake sender receives, unflattened, equals the exported tensors exactly; the streamed
 per-tensor buckets announce the recorded layout, send laid-out tensors from their own
-memory, and never leave an announced bucket short."""
+memory, and never leave an announced bucket short; flattened buckets of tensors that lie
+back to back in the parameters' memory are planned by hand-computed runs and go from there,
+before the copied ones."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import torch
 from megatron_agent.weight_sync.buckets import (
     BucketBuffers,
     BucketPipeline,
+    InPlaceBuckets,
     StreamedBuckets,
     cut_buckets,
     layout_entry,
+    plan_spans,
+    where_it_lies,
 )
 from rollout.engine_weights import adoptable, storage_span
 from rollout.weight_group import unflatten_bucket
@@ -274,3 +279,71 @@ def test_streamed_buckets_hold_the_first_bucket_until_the_update_is_open():
         pipeline.add(n, t)
     errors = pipeline.finish()
     assert len(errors) == 1 and "not opened" in errors[0] and wire.announced == [] and wire.sent == []
+
+
+# --- flattened buckets sent from where they lie -------------------------------------------
+
+
+def f32(name: str, numel: int):
+    return layout_entry(name, torch.empty(numel))
+
+
+def test_spans_are_runs_in_address_order_cut_at_the_bucket_size_and_at_least_the_minimum():
+    layout = [f32("a", 4), f32("q", 8), f32("b", 2), f32("c", 6), f32("d", 4), f32("e", 2), f32("f", 4)]
+    # storage 1: c@0 (24 B) b@24 (8 B) a@32 (16 B): back to back in the reverse of export order;
+    # d@100 after a gap; storage 2: e@0 f@8; q is a copy the export made
+    where = [(1, 32), None, (1, 24), (1, 0), (1, 100), (2, 0), (2, 8)]
+    assert plan_spans(layout, where, bucket_bytes=1024, min_bytes=1) == [[3, 2, 0], [4], [5, 6]]
+    assert plan_spans(layout, where, bucket_bytes=1024, min_bytes=17) == [[3, 2, 0], [5, 6]]  # d: 16 B
+    assert plan_spans(layout, where, bucket_bytes=32, min_bytes=1) == [[3, 2], [0], [4], [5, 6]]
+    assert plan_spans(layout, [None] * len(layout), bucket_bytes=1024, min_bytes=1) == []
+
+
+def test_where_a_tensor_lies_only_counts_contiguous_views_of_parameter_storages():
+    flat = torch.arange(12.0)
+    storages = {flat.untyped_storage().data_ptr()}
+    assert where_it_lies(flat[4:8], storages) == (flat.untyped_storage().data_ptr(), 16)
+    assert where_it_lies(flat.view(3, 4)[:, 1], storages) is None  # strided: the export copies it
+    assert where_it_lies(flat[4:8].clone(), storages) is None
+
+
+def test_in_place_buckets_go_first_from_the_parameters_memory_and_the_rest_is_copied():
+    """A layout planned from one export; the next one sends the runs as views of the packed
+    storage (no copy: the sender sees that very memory), then the rest in buffers, and every
+    tensor arrives exactly under its name."""
+    packed = torch.randn(20)
+    parameters = [packed[:12].view(3, 4), packed[12:]]
+    fresh = torch.randn(5)
+    export = [("w", parameters[0]), ("qkv", fresh), ("b", parameters[1][:4]), ("tail", parameters[1][4:])]
+    storages = {packed.untyped_storage().data_ptr()}
+    layout = [layout_entry(n, t) for n, t in export]
+    plan = InPlaceBuckets.plan(layout, [where_it_lies(t, storages) for _, t in export], parameters,
+                               bucket_bytes=1024, min_bytes=1)
+    assert plan.spans == [[0, 2, 3]] and plan.positions == {0, 2, 3} and plan.holds(parameters)
+    named, flat = plan.bucket(plan.spans[0])
+    assert [n for n, _ in named] == ["w", "b", "tail"] and flat.data_ptr() == packed.data_ptr()
+
+    sender = RecordingSender()
+    pipeline = BucketPipeline(sender, 1024, flattened=True, buffers=BucketBuffers())
+    pipeline.send_laid_out(named, flat)
+    for i, (n, t) in enumerate(export):
+        if i not in plan.positions:
+            pipeline.add(n, t)
+    assert pipeline.finish() == []
+    assert sender.flats[0] == packed.data_ptr()
+    assert [[n for n, _ in bucket] for bucket in sender.buckets] == [["w", "b", "tail"], ["qkv"]]
+    assert all(torch.equal(dict(delivered(sender))[n], t) for n, t in export)
+    assert pipeline.buckets == 2 and pipeline.sent_bytes == 4 * (20 + 5)
+
+    parameters[1].data = parameters[1].data.clone()  # a parameter moved: the plan is void
+    assert not plan.holds(parameters)
+
+
+def test_a_failed_in_place_bucket_stops_the_copied_ones():
+    packed = torch.randn(8)
+    sender = RecordingSender(fail_at=0)
+    pipeline = BucketPipeline(sender, 1024, flattened=True, buffers=BucketBuffers())
+    pipeline.send_laid_out([("w", torch.empty(8, device="meta"))], packed.view(torch.uint8))
+    pipeline.add("qkv", torch.randn(3))
+    errors = pipeline.finish()
+    assert errors and "engine gone" in errors[0] and sender.buckets == []

@@ -144,9 +144,10 @@ def test_greedy_logprobs_equal_transformers(sglang, model_dir):
 
 def _sync_and_compare(model_dir: str, urls: list[str]) -> dict:
     """On one gloo rank: move the actor's weights, sync them per tensor (version 1), then
-    move them again and sync flattened buckets (version 2), then per tensor again, streamed
-    from the layout the earlier syncs recorded (version 3); after each the server's greedy
-    logprobs against the actor's recomputation."""
+    move them again and sync flattened buckets (version 2: the packed parameters' runs
+    straight from memory, planned by version 1, q/k/v copied), then per tensor again, streamed
+    from the layout the earlier syncs recorded (version 3), then flattened again (version 4);
+    after each the server's greedy logprobs against the actor's recomputation."""
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
@@ -169,9 +170,9 @@ def _sync_and_compare(model_dir: str, urls: list[str]) -> dict:
         mask = batch.response_mask.bool()
         return float((recomputed - batch.rollout_logprobs)[mask].abs().max()), {o.weight_version for o in outs}
 
-    sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=64 * 1024, timeout_s=120))
+    sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=64 * 1024, timeout_s=120, in_place_min_bytes=1))
     out = {"server_ranks": client.server_ranks()}
-    for version, flattened in [(1, False), (2, True), (3, False)]:
+    for version, flattened in [(1, False), (2, True), (3, False), (4, True)]:
         batch = TrainBatch.from_sequences([torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(4)],
                                           [torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(4)],
                                           advantages=[1.0, -1.0, 0.5, 2.0])
@@ -190,14 +191,15 @@ def _sync_and_compare(model_dir: str, urls: list[str]) -> dict:
 
 def _check_synced(out: dict, url: str, tp_size: int) -> None:
     assert out["server_ranks"] == {url: tp_size}
-    assert [out[v]["streamed"] for v in (1, 2, 3)] == [False, False, True]
-    for version in (1, 2, 3):
+    assert [out[v]["streamed"] for v in (1, 2, 3, 4)] == [False, False, True, False]
+    assert [out[v]["metrics"]["weight_sync/bytes_in_place"] > 0 for v in (1, 2, 3, 4)] == [False, True, False, True]
+    for version in (1, 2, 3, 4):
         result = out[version]
         assert result["stale"] > 1e-2, result  # the update moved the weights: the check can fail
         assert result["diff"] < 1e-4, result
         assert result["versions"] == {str(version)}
         assert result["metrics"]["weight_sync/bytes"] > 0 and result["metrics"]["weight_sync/buckets"] > 1
-    assert out[1]["group"] == out[2]["group"] == out[3]["group"]  # later syncs reused the group
+    assert out[1]["group"] == out[2]["group"] == out[3]["group"] == out[4]["group"]  # later syncs reused it
 
 
 def test_weight_sync_per_tensor_and_flattened(sglang, model_dir):

@@ -92,3 +92,70 @@ def test_repeated_pipelined_syncs_deliver_each_new_set_of_weights(tiny_model_dir
     assert max(out["gaps"]) < 1e-4, out
     assert out["buffers_kept"], out
     assert out["streamed"] == [0, 0, 0, 1], out  # the second per-tensor sync streamed
+
+
+def _in_place_syncs(model_dir: str, urls: list[str]) -> dict:
+    import torch.nn as nn
+
+    from megatron_agent.algorithms import AlgorithmConfig
+    from megatron_agent.platform import ParallelConfig, init_distributed
+    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.training.batch import TrainBatch
+    from megatron_agent.weight_sync import WeightSync, WeightSyncConfig
+    from rollout.engine_client import EngineClient
+
+    ctx = init_distributed(ParallelConfig(), seed=7)
+    actor = Actor(model_dir, ctx.parallel, ActorConfig(lr=1e-2, use_distributed_optimizer=False),
+                  AlgorithmConfig(use_kl_loss=False, entropy_coef=0.0))
+    client = EngineClient(urls)
+    g = torch.Generator().manual_seed(1)
+    prompts = [[1, 2, 3, 4, 5], [10, 20, 30]]
+
+    def engine_vs_actor() -> float:
+        outs = client.generate(prompts, {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+        batch = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs],
+                                          rollout_logprobs=[o.logprobs for o in outs])
+        recomputed = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
+        return float((recomputed - batch.rollout_logprobs)[batch.response_mask.bool()].abs().max())
+
+    exported = {n: t.numel() * t.element_size() for n, t in actor.named_hf_weights()}
+    copied = sum(b for n, b in exported.items() if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")))
+    sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=2**30, check=True, timeout_s=60, flattened=True,
+                                                    in_place_min_bytes=1))
+    out = {"exported": sum(exported.values()), "qkv": copied, "syncs": []}
+    for step in range(4):
+        batch = TrainBatch.from_sequences([torch.randint(0, 800, (6,), generator=g).tolist() for _ in range(4)],
+                                          [torch.randint(0, 800, (5,), generator=g).tolist() for _ in range(4)],
+                                          advantages=[1.0 + step, -1.0, 0.5, 2.0])
+        actor.update(batch)
+        if step == 2:  # a parameter moved to memory of its own (as an offload would move it)
+            param = next(p for p in actor.chunks[0].parameters() if p.dim() == 2)
+            param.data = param.data.clone()
+            assert isinstance(param, nn.Parameter)
+        stale = engine_vs_actor()
+        metrics = sync.sync(version=step)  # check=True: raises if any checksum differs
+        out["syncs"].append({"stale": stale, "gap": engine_vs_actor(), "buckets": metrics["weight_sync/buckets"],
+                             "in_place": metrics["weight_sync/bytes_in_place"],
+                             "bytes": metrics["weight_sync/bytes"]})
+    sync.close()
+    client.close()
+    return out
+
+
+def test_flattened_syncs_send_the_packed_parameters_straight_from_memory(tiny_model_dir, tmp_path):
+    """A Megatron actor on one rank packs its parameters (bridge.pack_parameters): from the
+    second flattened sync on, everything but q/k/v goes straight from the parameters'
+    memory, and the engine's logprobs and checksums still equal the actor's. A parameter
+    that moves voids the plan for one sync, which copies everything; the next is in place again."""
+    engines = launch_engines(tiny_model_dir("qwen3"), 1, log_dir=tmp_path)
+    try:
+        out = run_on_ranks(_in_place_syncs, 1, str(tiny_model_dir("qwen3")), [e.url for e in engines],
+                           timeout_s=300)[0]
+    finally:
+        stop_engines(engines)
+    syncs = out["syncs"]
+    assert all(s["stale"] > 1e-3 and s["gap"] < 1e-4 for s in syncs), out
+    assert all(s["bytes"] == out["exported"] for s in syncs), out
+    assert [s["in_place"] for s in syncs] == [0, out["exported"] - out["qkv"], 0, out["exported"] - out["qkv"]], out
+    assert syncs[1]["buckets"] == 2, out  # one run from memory, one bucket of q/k/v copies
+    assert syncs[3]["buckets"] == 3, out  # the moved parameter is a run of its own

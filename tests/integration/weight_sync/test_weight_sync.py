@@ -2,9 +2,11 @@
 
 After an update and a sync, the engine generates with the new weights: its logprobs on
 its own samples equal the actor's recomputed logprobs within 1e-4, and the check mode's
-checksums agree. An engine killed after the first bucket of a sync makes the sync fail
-with its URL named, whether the buckets are announced after their export or streamed
-from the recorded layout; a restarted engine then syncs.
+checksums agree, for the default format (flattened: copied at the first sync, laid-out
+runs straight from the parameters' memory from the second) and per tensor (streamed from
+the recorded layout). An engine killed after the first bucket of a sync makes the sync
+fail with its URL named, whether the buckets are announced after their export, sent from
+memory or streamed; a restarted engine then syncs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ CASES = [("qwen3", 1, {}), ("qwen3", 2, {"tp": 2}), ("qwen3", 2, {"pp": 2}), ("q
 def _sync_and_compare(model_dir: str, urls: list[str], layout: dict, check: bool = True, bound: float = 1e-4) -> dict:
     """Update the actor far from the engines' weights, sync, and compare the engines'
     logprobs with the actor's (`check`: the engines' checksums too, an embedded-engine route).
-    Then again: the second sync streams per tensor from the layout the first one recorded."""
+    Then again twice: the second sync (flattened, the default) sends the laid-out runs from
+    memory, the third streams per tensor from the layout the earlier ones recorded."""
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
@@ -61,20 +64,23 @@ def _sync_and_compare(model_dir: str, urls: list[str], layout: dict, check: bool
         stale_error = None
     except LogprobMismatchError as err:
         stale_error = str(err)
-    sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=64 * 1024, check=check, timeout_s=60))
+    sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=64 * 1024, check=check, timeout_s=60,
+                                                    in_place_min_bytes=1))
     metrics = sync.sync(version=1)
     outs, gap = engine_vs_actor()
     check_rollout_logprobs(gap, max_abs_diff=bound)
     out = {"max_diff": gap["check/rollout_logprob_max_abs_diff"], "stale_error": stale_error,
            "versions": {o.weight_version for o in outs}, "metrics": metrics}
-    batch.advantages = -batch.advantages
-    actor.update(batch)
-    streamed = sync.layout is not None  # the source rank's view (other ranks never stream)
-    sync.sync(version=2)
-    outs, gap = engine_vs_actor()
-    check_rollout_logprobs(gap, max_abs_diff=bound)
-    out["second"] = {"max_diff": gap["check/rollout_logprob_max_abs_diff"], "streamed": streamed,
-                     "versions": {o.weight_version for o in outs}}
+    for version in (2, 3):
+        batch.advantages = -batch.advantages
+        actor.update(batch)
+        sync.config.flattened = None if version == 2 else False
+        streamed = version == 3 and sync.layout is not None  # the source rank's view (others never stream)
+        metrics = sync.sync(version=version)
+        outs, gap = engine_vs_actor()
+        check_rollout_logprobs(gap, max_abs_diff=bound)
+        out[version] = {"max_diff": gap["check/rollout_logprob_max_abs_diff"], "streamed": streamed,
+                        "versions": {o.weight_version for o in outs}, "metrics": metrics}
     sync.close()
     return out
 
@@ -91,13 +97,16 @@ def test_engine_matches_actor_after_sync(tiny_model_dir, tmp_path, family, world
     assert out["versions"] == {"1"}
     assert out["metrics"]["weight_sync/buckets"] > 1 and out["metrics"]["weight_sync/bytes"] > 0
     assert out["max_diff"] < 1e-4, out
-    assert out["second"]["streamed"] and out["second"]["versions"] == {"2"}, out  # rank 0: stage 0's source
-    assert out["second"]["max_diff"] < 1e-4, out
+    assert out["metrics"]["weight_sync/bytes_in_place"] == 0  # nothing planned yet
+    assert out[2]["metrics"]["weight_sync/bytes_in_place"] > 0, out  # TP 2: the replicated norms
+    assert out[3]["streamed"], out  # rank 0: stage 0's source
+    for version in (2, 3):
+        assert out[version]["versions"] == {str(version)} and out[version]["max_diff"] < 1e-4, out
     assert out["stale_error"] and "differ from the rollout engine's" in out["stale_error"]
 
 
 def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int, restart_dir: str,
-                               streamed: bool) -> dict:
+                               how: str) -> dict:
     import os
     import signal
 
@@ -111,9 +120,12 @@ def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int,
 
     ctx = init_distributed(ParallelConfig(), seed=7)
     actor = Actor(model_dir, ctx.parallel, ActorConfig(), AlgorithmConfig(use_kl_loss=False))
-    sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=16 * 1024, timeout_s=20))
+    sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=16 * 1024, timeout_s=20, in_place_min_bytes=1,
+                                                    flattened=how != "streamed"))
     sent = []
-    if streamed:
+    if how == "in_place":
+        sync.sync(version=0)  # plans the runs the next sync sends from memory (through send_weights)
+    if how == "streamed":
         sync.sync(version=0)  # records the layout: the next sync streams
         owner, attr = StreamedBuckets, "_complete"
 
@@ -156,12 +168,12 @@ def _sync_with_an_engine_dying(model_dir: str, urls: list[str], victim_pid: int,
     return {"error": message, "buckets_before_failure": len(sent), "second": metrics}
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["announced_after_export", "streamed"])
-def test_engine_dying_mid_sync_is_named_and_a_restarted_one_syncs(tiny_model_dir, tmp_path, streamed):
+@pytest.mark.parametrize("how", ["announced_after_export", "in_place", "streamed"])
+def test_engine_dying_mid_sync_is_named_and_a_restarted_one_syncs(tiny_model_dir, tmp_path, how):
     engines = launch_engines(tiny_model_dir("qwen3"), 2, log_dir=tmp_path)
     try:
         out = run_on_ranks(_sync_with_an_engine_dying, 1, str(tiny_model_dir("qwen3")),
-                           [e.url for e in engines], engines[1].pid, str(tiny_model_dir("qwen3")), streamed,
+                           [e.url for e in engines], engines[1].pid, str(tiny_model_dir("qwen3")), how,
                            timeout_s=300)[0]
     finally:
         stop_engines(engines)
