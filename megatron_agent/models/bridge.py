@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -116,7 +116,9 @@ def fuse(kind: str, tensors: list[torch.Tensor], dims: Dims) -> torch.Tensor:
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
-def unfuse(kind: str, full: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+def unfuse(kind: str, full: torch.Tensor, dims: Dims, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The HF tensors of a full Megatron tensor: views where the layout allows, else copies
+    (q/k/v, into `out` when given: the consumer's memory, one copy)."""
     if kind == IDENTITY:
         return [full]
     if kind == QKV:
@@ -124,8 +126,12 @@ def unfuse(kind: str, full: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
         q_per_group = dims.num_heads // groups * dims.head_dim
         rest = full.shape[1:]
         grouped = full.reshape(groups, q_per_group + 2 * dims.head_dim, *rest)
-        q, k, v = grouped.split([q_per_group, dims.head_dim, dims.head_dim], dim=1)
-        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+        parts = grouped.split([q_per_group, dims.head_dim, dims.head_dim], dim=1)
+        if out is None:
+            return [t.reshape(-1, *rest).contiguous() for t in parts]
+        for t, dest in zip(parts, out):
+            dest.view(t.shape).copy_(t)
+        return list(out)
     if kind == GATE_UP:
         return [t.contiguous() for t in full.chunk(2, dim=0)]
     if kind == VOCAB:
@@ -312,13 +318,31 @@ def shape_mismatch(m: ParamMapping, megatron_name: str, expected: tuple, tensors
     )
 
 
-def hf_from_full(m: ParamMapping, full: torch.Tensor, dims: Dims, expert: int | None = None):
-    """(HF name, tensor) pairs a full Megatron tensor splits into."""
-    return list(zip(m.hf_names(expert), unfuse(m.rule.fuse, full, dims)))
+# out(hf_name, shape, dtype): memory for a tensor the export rebuilds (q/k/v), or None
+Destination = Callable[[str, tuple[int, ...], torch.dtype], "torch.Tensor | None"]
+
+
+def qkv_rows(dims: Dims, rows: int) -> list[int]:
+    """Rows of q, k and v in a full fused QKV tensor of `rows` rows."""
+    per_group = rows // dims.num_kv_heads
+    q = per_group - 2 * dims.head_dim
+    return [q * dims.num_kv_heads, dims.head_dim * dims.num_kv_heads, dims.head_dim * dims.num_kv_heads]
+
+
+def hf_from_full(m: ParamMapping, full: torch.Tensor, dims: Dims, expert: int | None = None,
+                 out: Destination | None = None):
+    """(HF name, tensor) pairs a full Megatron tensor splits into; rebuilt ones in `out`'s
+    memory where it gives some."""
+    names = m.hf_names(expert)
+    dests = None
+    if out is not None and m.rule.fuse == QKV:
+        dests = [out(n, (rows, *full.shape[1:]), full.dtype) for n, rows in zip(names, qkv_rows(dims, full.shape[0]))]
+        dests = None if any(d is None for d in dests) else dests
+    return list(zip(names, unfuse(m.rule.fuse, full, dims, dests)))
 
 
 def hf_tensors_gathering_experts(fulls: Iterable[tuple[ParamMapping, int | None, torch.Tensor]], dims: Dims,
-                                 num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+                                 num_experts: int, out: Destination | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of full Megatron tensors arriving one at a time, each with
     its global expert index (None: not an expert). A fused expert tensor is filled, in the
     published layout, as its experts arrive (in any order) and yielded after its last: it
@@ -326,7 +350,7 @@ def hf_tensors_gathering_experts(fulls: Iterable[tuple[ParamMapping, int | None,
     filling: dict[str, tuple[torch.Tensor, set[int]]] = {}
     for m, expert, full in fulls:
         if m.rule.fuse != FUSED_EXPERTS:
-            yield from hf_from_full(m, full, dims, expert)
+            yield from hf_from_full(m, full, dims, expert, out)
             continue
         (hf_name,) = m.hf_names(expert)
         fused, seen = filling.setdefault(hf_name, (full.new_empty(num_experts, *full.shape[::-1]), set()))
@@ -458,12 +482,14 @@ def is_export_source() -> bool:
     return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
 
 
-def export_hf_weights(chunks: list, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(chunks: list, hf: dict, out: Destination | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full tensor)` for this pipeline stage on its source rank.
 
     Every rank of the model must iterate the generator to the end: TP (or expert-TP)
     shards are all-gathered per parameter, experts are all-gathered over EP and renamed
-    with their global index (local index + ep_rank * experts per rank).
+    with their global index (local index + ep_rank * experts per rank). The tensors are
+    views of the parameters where the layout allows; q/k/v are copied out of their
+    groups, into `out(hf_name, shape, dtype)`'s memory where it gives some (a bucket).
     """
     from megatron.core import parallel_state as ps
 
@@ -488,4 +514,4 @@ def export_hf_weights(chunks: list, hf: dict) -> Iterator[tuple[str, torch.Tenso
                 elif source:
                     yield m, None, local
 
-    yield from hf_tensors_gathering_experts(fulls(), dims, bridge.num_experts)
+    yield from hf_tensors_gathering_experts(fulls(), dims, bridge.num_experts, out)

@@ -369,9 +369,10 @@ class Actor:
 
     # --- weights out ----------------------------------------------------------------------
 
-    def named_hf_weights(self):
-        """(hf_name, full tensor) on each pipeline stage's source rank; every rank iterates."""
-        yield from export_hf_weights(self.chunks, self.hf)
+    def named_hf_weights(self, out=None):
+        """(hf_name, full tensor) on each pipeline stage's source rank; every rank iterates.
+        `out(hf_name, shape, dtype)`: memory for the tensors the export rebuilds (bridge)."""
+        yield from export_hf_weights(self.chunks, self.hf, out)
 
     # --- checkpoints ----------------------------------------------------------------------
 

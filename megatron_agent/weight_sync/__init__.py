@@ -47,6 +47,7 @@ from megatron_agent.weight_sync.buckets import (
     BucketPipeline,
     InPlaceBuckets,
     Layout,
+    PlannedBuckets,
     StreamedBuckets,
     entry_bytes,
     layout_entry,
@@ -247,49 +248,42 @@ class WeightSync:
         errors: list[str] = []
         if self.is_source and self.group is None and not self.by_handles:
             errors += self._try(self._connect)
+        parameters = [p for chunk in self.actor.chunks for p in chunk.parameters()]
+        storages = {p.untyped_storage().data_ptr() for p in parameters}
         over_group = self.is_source and not self.by_handles
+        plan = self.in_place if over_group and self.flattened and not errors else None
+        if plan is not None and not plan.holds(parameters):  # a parameter moved: plan again
+            plan = None
         if over_group and self.layout is not None and not self.flattened:
             pipeline = StreamedBuckets(self._announce(version), self._broadcast, self.config.bucket_bytes,
                                        self.layout, timeout_s=self.config.timeout_s, opened=opening)
+        elif plan is not None:
+            pipeline = PlannedBuckets(self._send_bucket(version, opening), plan, storages, self.config.bucket_bytes,
+                                      self.buffers)
         else:  # handles: the exported tensors as they are (the engines copy them before answering)
             pipeline = BucketPipeline(self._send_bucket(version, opening), self.config.bucket_bytes,
                                       flattened=self.flattened and not self.by_handles, buffers=self.buffers)
-        parameters = [p for chunk in self.actor.chunks for p in chunk.parameters()]
-        plan = self.in_place if over_group and self.flattened else None
-        if plan is not None and not plan.holds(parameters):  # a parameter moved: plan again
-            plan = None
-        for span in plan.spans if plan is not None and not errors else []:
-            pipeline.send_laid_out(*plan.bucket(span))  # first: they need no export
-        in_place = plan.positions if plan is not None else set()
-        storages = {p.untyped_storage().data_ptr() for p in parameters}
+        out = pipeline.destination if plan is not None else None
         checksums, layout, where = {}, [], []
         with _one_thread_on_cpu():
-            for name, tensor in self.actor.named_hf_weights():
+            for name, tensor in self.actor.named_hf_weights(out):
                 if not self.is_source or errors or pipeline.failed:
                     continue
                 sent = quantize_named(name, tensor) if self.config.quantize == "fp8" else [(name, tensor)]
                 for sent_name, sent_tensor in sent:
-                    entry, lies = layout_entry(sent_name, sent_tensor), where_it_lies(sent_tensor, storages)
-                    if len(layout) not in in_place:
-                        pipeline.add(sent_name, sent_tensor)
-                    elif (entry, lies) != (plan.layout[len(layout)], plan.where[len(layout)]):
-                        errors.append(f"rank {self.rank}: the export changed since the previous sync: "
-                                      f"{sent_name!r} is not where {plan.layout[len(layout)][0]!r} was sent from")
-                    layout.append(entry)
-                    where.append(lies)
+                    pipeline.add(sent_name, sent_tensor)
+                    layout.append(layout_entry(sent_name, sent_tensor))
+                    where.append(where_it_lies(sent_tensor, storages))
                 if self.config.check:  # of what the engine holds: the dequantized weight in fp8 mode
                     checksums[name] = weight_checksum(tensor if len(sent) == 1 else dequantize_block_fp8(
                         sent[0][1], sent[1][1], dtype=tensor.dtype))
-            if in_place and max(in_place) >= len(layout) and not errors:
-                errors.append(f"rank {self.rank}: the export ended after {len(layout)} tensors, before some "
-                              "of those sent from memory")
             send_errors = pipeline.finish(send_pending=self.is_source and not errors)
         errors += [f"rank {self.rank}: {e}" for e in send_errors]
         ok = self.is_source and not errors  # a failed sync re-plans
         self.layout = layout if ok else None
         self.in_place = InPlaceBuckets.plan(layout, where, parameters, self.config.bucket_bytes,
                                              self.config.in_place_min_bytes) if ok else None
-        in_place_bytes = sum(entry_bytes(plan.layout[i]) for i in in_place) if ok else 0
+        in_place_bytes = sum(entry_bytes(plan.layout[i]) for i in plan.positions) if ok and plan else 0
         return pipeline.sent_bytes, pipeline.buckets, in_place_bytes, checksums, errors
 
     def _send_bucket(self, version: str, opening: Future | None):

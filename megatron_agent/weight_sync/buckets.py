@@ -73,7 +73,6 @@ class BucketPipeline:
         self.send, self.bucket_bytes, self.flattened, self.buffers = send, bucket_bytes, flattened, buffers
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-send")
         self.slot_futures: list[Future | None] = [None, None]
-        self.laid_out_futures: list[Future] = []  # buckets sent from where they lie (send_laid_out)
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.pending_bytes = 0
         self.buckets = 0
@@ -118,24 +117,12 @@ class BucketPipeline:
         self.buckets += 1
         self.sent_bytes += nbytes
 
-    def send_laid_out(self, named: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
-        """Hand the sender thread a bucket whose bytes already lie in `flat`, in the order of
-        `named` (meta tensors): no buffer, no copy. It goes before any bucket `add` cuts later."""
-        if self.failed:
-            return
-        self.laid_out_futures.append(self.executor.submit(self._send_unless_failed, named, flat))
-        self.buckets += 1
-        self.sent_bytes += flat.numel() * flat.element_size()
-
     def finish(self, send_pending: bool = True) -> list[str]:
         """Send what is pending (or drop it), wait for every bucket; the errors, if any."""
         if send_pending:
             self.flush()
         for slot in (0, 1):
             self._wait(slot)
-        for future in self.laid_out_futures:
-            self._record(future)
-        self.laid_out_futures = []
         self.executor.shutdown(wait=True)
         return self.errors
 
@@ -157,9 +144,6 @@ class BucketPipeline:
         for slot, future in enumerate(self.slot_futures):
             if future is not None and future.done():
                 self._wait(slot)
-        for future in [f for f in self.laid_out_futures if f.done()]:
-            self.laid_out_futures.remove(future)
-            self._record(future)
 
     def _record(self, future: Future) -> None:
         try:
@@ -229,6 +213,7 @@ class InPlaceBuckets:
     spans: list[list[int]]
     storages: dict[int, torch.UntypedStorage]  # kept alive: the spans are views of them
     parameter_pointers: list[int]  # each parameter's storage when planned
+    device: torch.device  # of the parameters (the copy buckets' buffers too)
 
     @classmethod
     def plan(cls, layout: Layout, where: list[Where], parameters: list[torch.Tensor], bucket_bytes: int,
@@ -237,7 +222,8 @@ class InPlaceBuckets:
         in_spans = {where[span[0]][0] for span in spans}
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in parameters}
         return cls(list(layout), list(where), spans, {ptr: storages[ptr] for ptr in in_spans},
-                   [p.untyped_storage().data_ptr() for p in parameters])
+                   [p.untyped_storage().data_ptr() for p in parameters],
+                   parameters[0].device if parameters else torch.device("cpu"))
 
     def holds(self, parameters: list[torch.Tensor]) -> bool:
         return [p.untyped_storage().data_ptr() for p in parameters] == self.parameter_pointers
@@ -254,6 +240,152 @@ class InPlaceBuckets:
         nbytes = sum(entry_bytes(self.layout[i]) for i in span)
         storage = self.storages[ptr]
         return named, torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (nbytes,))
+
+
+def cut_flat_buckets(layout: Layout, positions: list[int], bucket_bytes: int) -> list[list[int]]:
+    """`positions` of `layout`, in order, cut as `BucketPipeline` cuts flattened buckets (at
+    most `bucket_bytes`, a larger tensor alone; a new bucket where a tensor would not start
+    at a multiple of its element size)."""
+    buckets: list[list[int]] = []
+    nbytes = 0
+    for i in positions:
+        size, itemsize = entry_bytes(layout[i]), layout[i][1].itemsize
+        if buckets and buckets[-1] and (nbytes + size > bucket_bytes or nbytes % itemsize):
+            buckets.append([])
+            nbytes = 0
+        if not buckets:
+            buckets.append([])
+        buckets[-1].append(i)
+        nbytes += size
+    return buckets
+
+
+class PlannedBuckets:
+    """Flattened buckets of a sync whose layout the previous one recorded (`InPlaceBuckets`):
+    the runs lying back to back in the parameters' memory go first, straight from there,
+    while the export runs; every other tensor has its place in a copy bucket before the
+    export yields it, so a tensor the export rebuilds (q/k/v) is written there directly
+    (`destination`, one copy) and each copy bucket goes once its last tensor arrived. Copy
+    buckets alternate between two reused buffers (a buffer is written again once its
+    bucket was answered). Same interface as `BucketPipeline` (add, failed, finish, buckets,
+    sent_bytes).
+
+    An export that differs from the plan (a can't-happen: another model, a parameter that
+    is not where it was) fails the sync before its next copy bucket is announced; the runs
+    already sent came from the parameters themselves."""
+
+    def __init__(self, send: SendBucket, plan: InPlaceBuckets, parameter_storages: set[int], bucket_bytes: int,
+                 buffers: BucketBuffers):
+        self.send, self.plan, self.storages, self.buffers = send, plan, parameter_storages, buffers
+        self.bucket_bytes = bucket_bytes
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-send")
+        self.futures: list[Future] = []  # every bucket handed to the sender thread, in order
+        self.copy_futures: dict[int, Future] = {}
+        self.errors: list[str] = []
+        self.send_failed = False
+        self.buckets = 0
+        self.sent_bytes = 0
+        self.index = 0  # next position in the layout
+        self.in_span = plan.positions
+        self.copies = cut_flat_buckets(plan.layout, [i for i in range(len(plan.layout)) if i not in self.in_span],
+                                       bucket_bytes)
+        self.place: dict[int, tuple[int, int]] = {}  # position -> (copy bucket, byte offset)
+        for k, bucket in enumerate(self.copies):
+            offset = 0
+            for i in bucket:
+                self.place[i] = (k, offset)
+                offset += entry_bytes(plan.layout[i])
+        self.copy_bytes = [sum(entry_bytes(plan.layout[i]) for i in bucket) for bucket in self.copies]
+        self.by_name = {plan.layout[i][0]: i for i in self.place}
+        self.flats: dict[int, torch.Tensor] = {}  # copy bucket -> its bytes, once a buffer holds it
+        for span in plan.spans:
+            self._submit(*plan.bucket(span))
+
+    @property
+    def failed(self) -> bool:
+        for future in [f for f in self.futures if f.done()]:
+            self.futures.remove(future)
+            self._record(future)
+        return bool(self.errors)
+
+    def destination(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where the export should write the tensor `name` (its place in a copy bucket), or
+        None (not planned as such: the export allocates)."""
+        i = self.by_name.get(name)
+        if i is None or self.errors or self.plan.layout[i] != (name, dtype, tuple(shape)):
+            return None
+        return self._slot(i).view(dtype).view(shape)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.errors:
+            return
+        i = self.index
+        self.index += 1
+        if i >= len(self.plan.layout) or self.plan.layout[i] != layout_entry(name, tensor):
+            expected = self.plan.layout[i][0] if i < len(self.plan.layout) else "nothing more"
+            self.errors.append(f"the export changed since the previous sync: {name!r} {tuple(tensor.shape)} "
+                               f"{tensor.dtype} where {expected!r} was planned")
+            return
+        if i in self.in_span:
+            if where_it_lies(tensor, self.storages) != self.plan.where[i]:
+                self.errors.append(f"the export changed since the previous sync: {name!r} is not where it was "
+                                   "sent from")
+            return
+        slot = self._slot(i)
+        if slot.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():  # else the export wrote it there
+            write_bytes(slot, tensor)
+        k, _ = self.place[i]
+        if i == self.copies[k][-1]:
+            named = [(n, torch.empty(shape, dtype=dtype, device="meta"))
+                     for n, dtype, shape in (self.plan.layout[j] for j in self.copies[k])]
+            self.copy_futures[k] = self._submit(named, self.flats.pop(k))
+
+    def finish(self, send_pending: bool = True) -> list[str]:
+        """Wait for every bucket handed over; the errors, if any. (A copy bucket whose tensors
+        did not all arrive was never announced: nobody waits for it.)"""
+        if self.index < len(self.plan.layout) and not self.errors and send_pending:
+            self.errors.append(f"the export ended after {self.index} of the {len(self.plan.layout)} tensors planned")
+        for future in self.futures:
+            self._record(future)
+        self.futures = []
+        self.executor.shutdown(wait=True)
+        return self.errors
+
+    def _slot(self, i: int) -> torch.Tensor:
+        """The uint8 bytes of position `i` in its copy bucket's buffer (taking the buffer, once
+        the bucket that last used it was answered)."""
+        k, offset = self.place[i]
+        if k not in self.flats:
+            previous = self.copy_futures.pop(k - 2, None)
+            if previous is not None:
+                self._record(previous)
+            self.flats[k] = self.buffers.get(k % 2, self.copy_bytes[k], self.plan.device,
+                                             grow_to=self.bucket_bytes)[:self.copy_bytes[k]]
+        return self.flats[k][offset:offset + entry_bytes(self.plan.layout[i])]
+
+    def _submit(self, named, flat: torch.Tensor) -> Future:
+        future = self.executor.submit(self._send_unless_failed, named, flat)
+        self.futures.append(future)
+        self.buckets += 1
+        self.sent_bytes += flat.numel()
+        return future
+
+    def _send_unless_failed(self, named, flat) -> None:
+        if self.send_failed:
+            return
+        try:
+            self.send(named, flat)
+        except BaseException:
+            self.send_failed = True
+            raise
+
+    def _record(self, future: Future) -> None:
+        try:
+            future.result()
+        except Exception as err:  # reported by the caller to every rank
+            message = f"{type(err).__name__}: {err}"
+            if message not in self.errors:
+                self.errors.append(message)
 
 
 # --- streamed per-tensor buckets -------------------------------------------------------

@@ -17,6 +17,7 @@ from megatron_agent.weight_sync.buckets import (
     BucketBuffers,
     BucketPipeline,
     InPlaceBuckets,
+    PlannedBuckets,
     StreamedBuckets,
     cut_buckets,
     layout_entry,
@@ -307,43 +308,64 @@ def test_where_a_tensor_lies_only_counts_contiguous_views_of_parameter_storages(
     assert where_it_lies(flat[4:8].clone(), storages) is None
 
 
-def test_in_place_buckets_go_first_from_the_parameters_memory_and_the_rest_is_copied():
-    """A layout planned from one export; the next one sends the runs as views of the packed
-    storage (no copy: the sender sees that very memory), then the rest in buffers, and every
-    tensor arrives exactly under its name."""
-    packed = torch.randn(20)
+def planned_export(seed: float):
+    """Parameters packed in one storage, a tensor the export rebuilds (`qkv`), and the plan
+    a first sync records from that export."""
+    packed = torch.arange(20.0) + seed
     parameters = [packed[:12].view(3, 4), packed[12:]]
-    fresh = torch.randn(5)
-    export = [("w", parameters[0]), ("qkv", fresh), ("b", parameters[1][:4]), ("tail", parameters[1][4:])]
+    export = [("w", parameters[0]), ("qkv", torch.arange(5.0) - seed), ("b", parameters[1][:4]),
+              ("tail", parameters[1][4:]), ("bias", torch.full((3,), seed))]
     storages = {packed.untyped_storage().data_ptr()}
-    layout = [layout_entry(n, t) for n, t in export]
-    plan = InPlaceBuckets.plan(layout, [where_it_lies(t, storages) for _, t in export], parameters,
-                               bucket_bytes=1024, min_bytes=1)
-    assert plan.spans == [[0, 2, 3]] and plan.positions == {0, 2, 3} and plan.holds(parameters)
-    named, flat = plan.bucket(plan.spans[0])
-    assert [n for n, _ in named] == ["w", "b", "tail"] and flat.data_ptr() == packed.data_ptr()
+    plan = InPlaceBuckets.plan([layout_entry(n, t) for n, t in export], [where_it_lies(t, storages) for _, t in export],
+                               parameters, bucket_bytes=80, min_bytes=1)
+    return packed, parameters, export, storages, plan
 
+
+def test_planned_buckets_send_the_runs_from_memory_first_and_the_rebuilt_tensors_from_where_they_were_written():
+    """The next sync of a planned layout: the run goes as a view of the packed storage (the
+    sender sees that very memory), the export writes its rebuilt tensor straight into its
+    copy bucket (no second copy), the rest is copied in; every tensor arrives exactly."""
+    packed, parameters, export, storages, plan = planned_export(1.0)
+    assert plan.spans == [[0, 2, 3]] and plan.holds(parameters)
     sender = RecordingSender()
-    pipeline = BucketPipeline(sender, 1024, flattened=True, buffers=BucketBuffers())
-    pipeline.send_laid_out(named, flat)
-    for i, (n, t) in enumerate(export):
-        if i not in plan.positions:
-            pipeline.add(n, t)
+    pipeline = PlannedBuckets(sender, plan, storages, 80, BucketBuffers())
+    fresh = {"qkv": torch.arange(5.0) + 100}
+    for name, tensor in export:
+        if name in fresh:  # the export rebuilds it into the memory it is given
+            tensor = pipeline.destination(name, (5,), torch.float32)
+            tensor.copy_(fresh[name])
+            written_at = tensor.data_ptr()
+        pipeline.add(name, tensor)
     assert pipeline.finish() == []
     assert sender.flats[0] == packed.data_ptr()
-    assert [[n for n, _ in bucket] for bucket in sender.buckets] == [["w", "b", "tail"], ["qkv"]]
-    assert all(torch.equal(dict(delivered(sender))[n], t) for n, t in export)
-    assert pipeline.buckets == 2 and pipeline.sent_bytes == 4 * (20 + 5)
+    assert sender.flats[1] == written_at  # the copy bucket is where the export wrote
+    assert [[n for n, _ in bucket] for bucket in sender.buckets] == [["w", "b", "tail"], ["qkv", "bias"]]
+    got = dict(delivered(sender))
+    assert torch.equal(got["qkv"], fresh["qkv"]) and torch.equal(got["bias"], export[4][1])
+    assert all(torch.equal(got[n], t) for n, t in export if n not in fresh)
+    assert pipeline.buckets == 2 and pipeline.sent_bytes == 4 * (20 + 5 + 3)
+    assert pipeline.destination("qkv", (6,), torch.float32) is None  # not as planned: the export allocates
 
     parameters[1].data = parameters[1].data.clone()  # a parameter moved: the plan is void
     assert not plan.holds(parameters)
 
 
+def test_planned_buckets_stop_before_announcing_what_the_export_no_longer_matches():
+    packed, parameters, export, storages, plan = planned_export(2.0)
+    sender = RecordingSender()
+    pipeline = PlannedBuckets(sender, plan, storages, 80, BucketBuffers())
+    pipeline.add("w", export[0][1])
+    pipeline.add("qkv", torch.zeros(6))  # another shape than planned
+    errors = pipeline.finish()
+    assert errors and "changed since the previous sync" in errors[0]
+    assert [[n for n, _ in bucket] for bucket in sender.buckets] == [["w", "b", "tail"]]  # from memory; nothing else
+
+
 def test_a_failed_in_place_bucket_stops_the_copied_ones():
-    packed = torch.randn(8)
+    packed, parameters, export, storages, plan = planned_export(3.0)
     sender = RecordingSender(fail_at=0)
-    pipeline = BucketPipeline(sender, 1024, flattened=True, buffers=BucketBuffers())
-    pipeline.send_laid_out([("w", torch.empty(8, device="meta"))], packed.view(torch.uint8))
-    pipeline.add("qkv", torch.randn(3))
+    pipeline = PlannedBuckets(sender, plan, storages, 80, BucketBuffers())
+    for name, tensor in export:
+        pipeline.add(name, tensor)
     errors = pipeline.finish()
     assert errors and "engine gone" in errors[0] and sender.buckets == []
