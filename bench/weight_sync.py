@@ -178,8 +178,10 @@ def main() -> None:
     from rollout.engine_launch import launch_engines, stop_engines
 
     default = WeightSyncConfig()
-    # the default format over a weight-update group (None: flattened)
-    default_case = (default.flattened is not False, default.bucket_bytes)
+    # the default format over a weight-update group (None: flattened unless the parameters lie in
+    # the distributed optimizer's buffer: WeightSync.flattened)
+    default_flat = default.flattened if default.flattened is not None else not args.distributed_optimizer
+    default_case = (default_flat, default.bucket_bytes)
     cases = sorted({(fmt == "flattened", int(float(b) * MIB)) for fmt in args.formats.split(",")
                     for b in args.buckets_mib.split(",")} | {default_case}, key=lambda c: (not c[0], c[1]))
     load_before = os.getloadavg()

@@ -69,8 +69,8 @@ class WeightSyncConfig:
     # True: one uint8 tensor per bucket (load_format "flattened_bucket"); over a group, runs
     # of tensors lying back to back in the parameters' memory go straight from there, the rest
     # is copied into two reused buffers. False: one broadcast per tensor, streamed out of the
-    # parameters' memory. None: flattened (over gloo, fewer messages is faster:
-    # docs/training.md; with tensor handles, one shared buffer per bucket).
+    # parameters' memory. None: flattened, except per tensor over a group when the parameters
+    # lie in the distributed optimizer's buffer (WeightSync.flattened).
     flattened: bool | None = None
     # "broadcast": over a weight-update group; "tensor": handles to shared memory / CUDA
     # IPC, engines on the same machine (tensor_sync.py); None: tensor when
@@ -132,8 +132,14 @@ class WeightSync:
 
     @property
     def flattened(self) -> bool:
-        """The bucket format of the next sync (`config.flattened`; None: flattened)."""
-        return self.config.flattened is not False
+        """The bucket format of the next sync (`config.flattened`). None: flattened where the
+        actor packed its parameters for the export (one data-parallel rank: their runs go from
+        memory in a few buckets) or with tensor handles; per tensor where the parameters lie
+        in the distributed optimizer's buffer, whose q/k/v cut them into a run per layer, a
+        bucket each (measured slower than per tensor: docs/training.md)."""
+        if self.config.flattened is not None:
+            return self.config.flattened
+        return self.by_handles or not getattr(self.actor, "distributed_optimizer", False)
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """New engine addresses (restarted engines); the next sync reconnects."""
