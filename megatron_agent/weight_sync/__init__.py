@@ -11,12 +11,16 @@ Every trainer rank calls `WeightSync.sync(version)` together:
    at once); in each stage every rank iterates the bridge's export (TP and EP gathers
    are collectives), and the stage's source rank (DP 0, TP 0) fills buckets of
    `bucket_bytes`, announces each over HTTP and broadcasts it over its own
-   weight-update group (NCCL on GPU, gloo on CPU) joined with the engines: per tensor
-   (the default over a group), once the previous sync recorded the export's layout, each
-   bucket is announced before it is exported and each tensor broadcast as the export
-   yields it, out of its own memory (buckets.StreamedBuckets); flattened, the next bucket
-   is written (into one of two reused buffers) while the current one is on the wire
-   (buckets.BucketPipeline). With `transport: tensor` (colocated engines) there is no group:
+   weight-update group (NCCL on GPU, gloo on CPU) joined with the engines. Flattened (the
+   default where the actor packed its parameters): the first sync writes each bucket into
+   one of two reused buffers while the previous one is on the wire (buckets.BucketPipeline)
+   and records the export's layout; later syncs send the runs of tensors lying back to back
+   in the parameters' memory straight from there, first, and have the export write the
+   rest (q/k/v) straight into their buckets (buckets.PlannedBuckets). Per tensor (the
+   default where the parameters lie in the distributed optimizer's buffer): once the
+   layout is recorded, each bucket is announced before it is exported and each tensor
+   broadcast as the export yields it, out of its own memory (buckets.StreamedBuckets).
+   With `transport: tensor` (colocated engines) there is no group:
    each bucket's tensors go to the engines as handles to this machine's shared or GPU
    memory (`/update_weights_from_tensor`, tensor_sync.py) while the next one is exported;
    with `quantize: fp8` the attention and MLP weights go as block FP8 with their scales,

@@ -9,6 +9,11 @@ announcement after it received and loaded the bucket; two announcements at once 
 deadlock it). The buffers live as long as the `BucketBuffers` that owns them, so later
 syncs allocate nothing.
 
+`PlannedBuckets` (flattened, once the layout and where each tensor lies are known): the
+runs of tensors lying back to back in the parameters' memory go first, straight from
+there; every other tensor has its place in a copy bucket before the export yields it, so
+the export writes the tensors it rebuilds (q/k/v) there directly.
+
 `StreamedBuckets` (per tensor, once the layout is known): each bucket is announced before
 its tensors are exported, from the (name, dtype, shape) list the previous sync recorded,
 and each exported tensor is broadcast (asynchronously) the moment the export yields it,
