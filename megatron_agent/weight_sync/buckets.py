@@ -70,20 +70,55 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+class SenderThread:
+    """One thread that sends buckets in the order they are handed over; once a send failed,
+    the later buckets are not announced."""
+
+    def __init__(self, send: SendBucket):
+        self.send = send
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-send")
+        self.failed = False  # set by the thread
+
+    def submit(self, named, flat) -> Future:
+        return self.executor.submit(self._send_unless_failed, named, flat)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    def _send_unless_failed(self, named, flat) -> None:
+        if self.failed:
+            return
+        try:
+            self.send(named, flat)
+        except BaseException:
+            self.failed = True
+            raise
+
+
+def record(future: Future, errors: list[str]) -> None:
+    """Wait for one bucket; its error, if any, joins `errors` (reported by the caller to
+    every rank)."""
+    try:
+        future.result()
+    except Exception as err:
+        message = f"{type(err).__name__}: {err}"
+        if message not in errors:  # a bucket can be waited for twice
+            errors.append(message)
+
+
 class BucketPipeline:
     """Cuts `(name, tensor)` pairs into buckets of at most `bucket_bytes` (a larger tensor
     is a bucket of its own) and sends them with `send` on one background thread."""
 
     def __init__(self, send: SendBucket, bucket_bytes: int, *, flattened: bool, buffers: BucketBuffers):
-        self.send, self.bucket_bytes, self.flattened, self.buffers = send, bucket_bytes, flattened, buffers
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-send")
+        self.bucket_bytes, self.flattened, self.buffers = bucket_bytes, flattened, buffers
+        self.sender = SenderThread(send)
         self.slot_futures: list[Future | None] = [None, None]
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.pending_bytes = 0
         self.buckets = 0
         self.sent_bytes = 0
         self.errors: list[str] = []
-        self.send_failed = False  # set by the sender thread: later buckets are not announced
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor_bytes(tensor)
@@ -118,7 +153,7 @@ class BucketPipeline:
                 write_bytes(flat[offset:offset + tensor_bytes(t)], t)
                 offset += tensor_bytes(t)
             named = [(n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in named]
-        self.slot_futures[slot] = self.executor.submit(self._send_unless_failed, named, flat)
+        self.slot_futures[slot] = self.sender.submit(named, flat)
         self.buckets += 1
         self.sent_bytes += nbytes
 
@@ -128,33 +163,18 @@ class BucketPipeline:
             self.flush()
         for slot in (0, 1):
             self._wait(slot)
-        self.executor.shutdown(wait=True)
+        self.sender.shutdown()
         return self.errors
-
-    def _send_unless_failed(self, named, flat) -> None:
-        if self.send_failed:
-            return
-        try:
-            self.send(named, flat)
-        except BaseException:
-            self.send_failed = True
-            raise
 
     def _wait(self, slot: int) -> None:
         future, self.slot_futures[slot] = self.slot_futures[slot], None
         if future is not None:
-            self._record(future)
+            record(future, self.errors)
 
     def _collect_finished(self) -> None:
         for slot, future in enumerate(self.slot_futures):
             if future is not None and future.done():
                 self._wait(slot)
-
-    def _record(self, future: Future) -> None:
-        try:
-            future.result()
-        except Exception as err:  # reported by the caller to every rank
-            self.errors.append(f"{type(err).__name__}: {err}")
 
 
 # --- the export's layout, recorded by one sync for the next ---------------------------------
@@ -281,13 +301,11 @@ class PlannedBuckets:
 
     def __init__(self, send: SendBucket, plan: InPlaceBuckets, parameter_storages: set[int], bucket_bytes: int,
                  buffers: BucketBuffers):
-        self.send, self.plan, self.storages, self.buffers = send, plan, parameter_storages, buffers
-        self.bucket_bytes = bucket_bytes
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-send")
+        self.plan, self.storages, self.buffers, self.bucket_bytes = plan, parameter_storages, buffers, bucket_bytes
+        self.sender = SenderThread(send)
         self.futures: list[Future] = []  # every bucket handed to the sender thread, in order
         self.copy_futures: dict[int, Future] = {}
         self.errors: list[str] = []
-        self.send_failed = False
         self.buckets = 0
         self.sent_bytes = 0
         self.index = 0  # next position in the layout
@@ -310,7 +328,7 @@ class PlannedBuckets:
     def failed(self) -> bool:
         for future in [f for f in self.futures if f.done()]:
             self.futures.remove(future)
-            self._record(future)
+            record(future, self.errors)
         return bool(self.errors)
 
     def destination(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -351,9 +369,9 @@ class PlannedBuckets:
         if self.index < len(self.plan.layout) and not self.errors and send_pending:
             self.errors.append(f"the export ended after {self.index} of the {len(self.plan.layout)} tensors planned")
         for future in self.futures:
-            self._record(future)
+            record(future, self.errors)
         self.futures = []
-        self.executor.shutdown(wait=True)
+        self.sender.shutdown()
         return self.errors
 
     def _slot(self, i: int) -> torch.Tensor:
@@ -363,34 +381,17 @@ class PlannedBuckets:
         if k not in self.flats:
             previous = self.copy_futures.pop(k - 2, None)
             if previous is not None:
-                self._record(previous)
+                record(previous, self.errors)
             self.flats[k] = self.buffers.get(k % 2, self.copy_bytes[k], self.plan.device,
                                              grow_to=self.bucket_bytes)[:self.copy_bytes[k]]
         return self.flats[k][offset:offset + entry_bytes(self.plan.layout[i])]
 
     def _submit(self, named, flat: torch.Tensor) -> Future:
-        future = self.executor.submit(self._send_unless_failed, named, flat)
+        future = self.sender.submit(named, flat)
         self.futures.append(future)
         self.buckets += 1
         self.sent_bytes += flat.numel()
         return future
-
-    def _send_unless_failed(self, named, flat) -> None:
-        if self.send_failed:
-            return
-        try:
-            self.send(named, flat)
-        except BaseException:
-            self.send_failed = True
-            raise
-
-    def _record(self, future: Future) -> None:
-        try:
-            future.result()
-        except Exception as err:  # reported by the caller to every rank
-            message = f"{type(err).__name__}: {err}"
-            if message not in self.errors:
-                self.errors.append(message)
 
 
 # --- streamed per-tensor buckets -------------------------------------------------------

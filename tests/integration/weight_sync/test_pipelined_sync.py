@@ -17,13 +17,26 @@ from rollout.engine_launch import launch_engines, stop_engines
 pytestmark = pytest.mark.multirank
 
 
+def engine_vs_actor_gap(client, actor, prompts: list[list[int]]) -> float:
+    """The largest gap between the engine's logprobs on its own samples and the actor's."""
+    from megatron_agent.training.batch import TrainBatch
+    from megatron_agent.training.checks import rollout_logprob_gap
+
+    outs = client.generate(prompts, {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True,
+                                     "sampling_seed": 3})
+    sampled = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs],
+                                        rollout_logprobs=[o.logprobs for o in outs])
+    recomputed = actor.compute_logprobs(sampled, with_entropy=False)["logprobs"]
+    return rollout_logprob_gap(recomputed, sampled.rollout_logprobs, sampled.response_mask)[
+        "check/rollout_logprob_max_abs_diff"]
+
+
 def _three_syncs(model_dir: str, urls: list[str]) -> dict:
     import megatron_agent.weight_sync as weight_sync
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
     from megatron_agent.training.batch import TrainBatch
-    from megatron_agent.training.checks import rollout_logprob_gap
     from megatron_agent.weight_sync import WeightSync, WeightSyncConfig
     from rollout.engine_client import EngineClient
 
@@ -49,13 +62,7 @@ def _three_syncs(model_dir: str, urls: list[str]) -> dict:
         actor.update(batch)  # large lr: far from what the engine holds
 
     def engine_vs_actor() -> float:
-        outs = client.generate(prompts, {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True,
-                                         "sampling_seed": 3})
-        sampled = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs],
-                                            rollout_logprobs=[o.logprobs for o in outs])
-        recomputed = actor.compute_logprobs(sampled, with_entropy=False)["logprobs"]
-        gap = rollout_logprob_gap(recomputed, sampled.rollout_logprobs, sampled.response_mask)
-        return gap["check/rollout_logprob_max_abs_diff"]
+        return engine_vs_actor_gap(client, actor, prompts)
 
     flat = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=24 * 1024, check=True, timeout_s=60,
                                                     flattened=True))
@@ -112,11 +119,7 @@ def _in_place_syncs(model_dir: str, urls: list[str]) -> dict:
     prompts = [[1, 2, 3, 4, 5], [10, 20, 30]]
 
     def engine_vs_actor() -> float:
-        outs = client.generate(prompts, {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
-        batch = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs],
-                                          rollout_logprobs=[o.logprobs for o in outs])
-        recomputed = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
-        return float((recomputed - batch.rollout_logprobs)[batch.response_mask.bool()].abs().max())
+        return engine_vs_actor_gap(client, actor, prompts)
 
     exported = {n: t.numel() * t.element_size() for n, t in actor.named_hf_weights()}
     copied = sum(b for n, b in exported.items() if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")))
