@@ -162,3 +162,53 @@ def test_flattened_syncs_send_the_packed_parameters_straight_from_memory(tiny_mo
     assert [s["in_place"] for s in syncs] == [0, out["exported"] - out["qkv"], 0, out["exported"] - out["qkv"]], out
     assert syncs[1]["buckets"] == 2, out  # one run from memory, one bucket of q/k/v copies
     assert syncs[3]["buckets"] == 3, out  # the moved parameter is a run of its own
+
+
+def _syncs_from_the_distributed_optimizer_buffer(model_dir: str, urls: list[str]) -> dict:
+    from megatron_agent.algorithms import AlgorithmConfig
+    from megatron_agent.platform import ParallelConfig, init_distributed
+    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.training.batch import TrainBatch
+    from megatron_agent.weight_sync import WeightSync, WeightSyncConfig
+    from rollout.engine_client import EngineClient
+
+    ctx = init_distributed(ParallelConfig(), seed=7)  # two ranks: DP 2
+    actor = Actor(model_dir, ctx.parallel, ActorConfig(lr=1e-2), AlgorithmConfig(use_kl_loss=False, entropy_coef=0.0))
+    client = EngineClient(urls)
+    g = torch.Generator().manual_seed(1)
+    sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=2**30, check=True, timeout_s=60,
+                                                    in_place_min_bytes=1))
+    out = {"distributed_optimizer": actor.distributed_optimizer, "syncs": []}
+    for step, flattened in enumerate([None, None, True, True]):
+        batch = TrainBatch.from_sequences([torch.randint(0, 800, (6,), generator=g).tolist() for _ in range(4)],
+                                          [torch.randint(0, 800, (5,), generator=g).tolist() for _ in range(4)],
+                                          advantages=[1.0 + step, -1.0, 0.5, 2.0])
+        actor.update(batch)
+        sync.config.flattened = flattened
+        stale = engine_vs_actor_gap(client, actor, [[1, 2, 3, 4, 5], [10, 20, 30]])
+        metrics = sync.sync(version=step)
+        out["syncs"].append({"flattened": sync.flattened, "stale": stale, "in_place": metrics["weight_sync/bytes_in_place"],
+                             "gap": engine_vs_actor_gap(client, actor, [[1, 2, 3, 4, 5], [10, 20, 30]])})
+    sync.close()
+    client.close()
+    return out
+
+
+def test_parameters_in_the_distributed_optimizer_buffer_sync_per_tensor_by_default_and_flattened_from_it(
+        tiny_model_dir, tmp_path):
+    """At DP 2 the distributed optimizer lays the parameters out in its own buffer: the
+    default format is then per tensor (its q/k/v cut the buffer into a run per layer); asked
+    for flattened, a sync sends those runs straight from the buffer (as the per-tensor syncs
+    before recorded them). The engine's logprobs equal the actor's after every sync,
+    checksums checked."""
+    engines = launch_engines(tiny_model_dir("qwen3"), 1, log_dir=tmp_path)
+    try:
+        out = run_on_ranks(_syncs_from_the_distributed_optimizer_buffer, 2, str(tiny_model_dir("qwen3")),
+                           [e.url for e in engines], timeout_s=300)[0]
+    finally:
+        stop_engines(engines)
+    assert out["distributed_optimizer"], out
+    syncs = out["syncs"]
+    assert [s["flattened"] for s in syncs] == [False, False, True, True], out
+    assert all(s["stale"] > 1e-3 and s["gap"] < 1e-4 for s in syncs), out
+    assert [s["in_place"] > 0 for s in syncs] == [False, False, True, True], out  # planned by the earlier syncs
