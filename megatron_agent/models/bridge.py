@@ -322,11 +322,9 @@ def shape_mismatch(m: ParamMapping, megatron_name: str, expected: tuple, tensors
 Destination = Callable[[str, tuple[int, ...], torch.dtype], "torch.Tensor | None"]
 
 
-def qkv_rows(dims: Dims, rows: int) -> list[int]:
-    """Rows of q, k and v in a full fused QKV tensor of `rows` rows."""
-    per_group = rows // dims.num_kv_heads
-    q = per_group - 2 * dims.head_dim
-    return [q * dims.num_kv_heads, dims.head_dim * dims.num_kv_heads, dims.head_dim * dims.num_kv_heads]
+def qkv_rows(dims: Dims) -> list[int]:
+    """Rows of q, k and v (HF's tensors) in a full fused QKV tensor."""
+    return [dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim]
 
 
 def hf_from_full(m: ParamMapping, full: torch.Tensor, dims: Dims, expert: int | None = None,
@@ -336,7 +334,7 @@ def hf_from_full(m: ParamMapping, full: torch.Tensor, dims: Dims, expert: int | 
     names = m.hf_names(expert)
     dests = None
     if out is not None and m.rule.fuse == QKV:
-        dests = [out(n, (rows, *full.shape[1:]), full.dtype) for n, rows in zip(names, qkv_rows(dims, full.shape[0]))]
+        dests = [out(n, (rows, *full.shape[1:]), full.dtype) for n, rows in zip(names, qkv_rows(dims))]
         dests = None if any(d is None for d in dests) else dests
     return list(zip(names, unfuse(m.rule.fuse, full, dims, dests)))
 
@@ -425,19 +423,17 @@ def exported_as_views(m: ParamMapping, tp_size: int, expert_tp_size: int, ep_siz
     return (m.rule.split == REPLICATED or split_over == 1) and not (m.is_expert and ep_size > 1)
 
 
-def pack_parameters(chunks: list, hf: dict) -> int:
+def pack_parameters(chunks: list, hf: dict) -> None:
     """Lay each chunk's parameters out in one storage per dtype: first, in `named_parameters`
     order, those the export yields as views of themselves, then the rest. The export then
     yields long runs of back-to-back tensors, which the weight sync sends straight from
     memory (weight_sync/buckets.py). Values are kept. Call before DDP and the optimizer see
-    the parameters (the distributed optimizer lays them out in its own buffer instead).
-    Returns the bytes laid out as views."""
+    the parameters (the distributed optimizer lays them out in its own buffer instead)."""
     from megatron.core import parallel_state as ps
 
     bridge = Bridge(hf)
     sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
              ps.get_expert_model_parallel_world_size())
-    view_bytes = 0
     for chunk in chunks:
         views, rest = [], []
         for name, param in chunk.named_parameters():
@@ -446,7 +442,6 @@ def pack_parameters(chunks: list, hf: dict) -> int:
             except WeightMappingError:  # not exported (a critic's value head)
                 as_view = False
             (views if as_view else rest).append(param)
-            view_bytes += param.numel() * param.element_size() if as_view else 0
         groups: dict[tuple, list[torch.nn.Parameter]] = {}
         for param in views + rest:
             groups.setdefault((param.dtype, param.device), []).append(param)
@@ -458,7 +453,6 @@ def pack_parameters(chunks: list, hf: dict) -> int:
                     flat[offset:offset + p.numel()].copy_(p.reshape(-1))
                     p.data = flat[offset:offset + p.numel()].view(p.shape)
                     offset += p.numel()
-    return view_bytes
 
 
 # --- exporting HF tensors -------------------------------------------------------------

@@ -122,17 +122,20 @@ class WeightSync:
         self.instance = uuid.uuid4().hex[:8]
         self.buffers = BucketBuffers()  # the source's two bucket buffers, kept across syncs
         self.by_handles = self.config.transport == "tensor"
-        # the source's export as the last sync sent it: lets the next per-tensor sync announce
-        # each bucket before exporting it (StreamedBuckets)
-        self.layout: Layout | None = None
-        # the same for the next flattened sync over a group, with the buckets it can send
-        # straight from the parameters' memory
+        # the source's export as the last sync sent it, and where each tensor lay: lets the next
+        # per-tensor sync announce each bucket before exporting it (StreamedBuckets), the next
+        # flattened one send the laid-out runs straight from the parameters' memory (PlannedBuckets)
         self.in_place: InPlaceBuckets | None = None
         self.engine_ranks: dict[str, int] | None = None  # tensor transport: one payload per engine rank
         if self.rank == 0 and not (self.is_source and self.pp_rank == 0):
             raise ValueError("global rank 0 must be stage 0's export source (Megatron's rank order); it opens "
                              "the update while it exports")
         self._opener = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-open")
+
+    @property
+    def layout(self) -> Layout | None:
+        """The export's layout as the last sync sent it (None: not recorded yet)."""
+        return self.in_place.layout if self.in_place is not None else None
 
     @property
     def flattened(self) -> bool:
@@ -143,7 +146,7 @@ class WeightSync:
         bucket each (measured slower than per tensor: docs/training.md)."""
         if self.config.flattened is not None:
             return self.config.flattened
-        return self.by_handles or not getattr(self.actor, "distributed_optimizer", False)
+        return self.by_handles or not self.actor.distributed_optimizer
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """New engine addresses (restarted engines); the next sync reconnects."""
@@ -290,7 +293,6 @@ class WeightSync:
             send_errors = pipeline.finish(send_pending=self.is_source and not errors)
         errors += [f"rank {self.rank}: {e}" for e in send_errors]
         ok = self.is_source and not errors  # a failed sync re-plans
-        self.layout = layout if ok else None
         self.in_place = InPlaceBuckets.plan(layout, where, parameters, self.config.bucket_bytes,
                                              self.config.in_place_min_bytes) if ok else None
         in_place_bytes = sum(entry_bytes(plan.layout[i]) for i in plan.positions) if ok and plan else 0

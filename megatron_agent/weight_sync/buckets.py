@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +101,7 @@ def record(future: Future, errors: list[str]) -> None:
     try:
         future.result()
     except Exception as err:
-        message = f"{type(err).__name__}: {err}"
-        if message not in errors:  # a bucket can be waited for twice
-            errors.append(message)
+        errors.append(f"{type(err).__name__}: {err}")
 
 
 class BucketPipeline:
@@ -303,8 +301,8 @@ class PlannedBuckets:
                  buffers: BucketBuffers):
         self.plan, self.storages, self.buffers, self.bucket_bytes = plan, parameter_storages, buffers, bucket_bytes
         self.sender = SenderThread(send)
-        self.futures: list[Future] = []  # every bucket handed to the sender thread, in order
-        self.copy_futures: dict[int, Future] = {}
+        self.futures: list[Future] = []  # the buckets handed to the sender thread, not yet waited for
+        self.copy_futures: dict[int, Future] = {}  # copy bucket -> its send (its buffer is free once done)
         self.errors: list[str] = []
         self.buckets = 0
         self.sent_bytes = 0
@@ -380,8 +378,8 @@ class PlannedBuckets:
         k, offset = self.place[i]
         if k not in self.flats:
             previous = self.copy_futures.pop(k - 2, None)
-            if previous is not None:
-                record(previous, self.errors)
+            if previous is not None:  # its error, if any, is recorded with the others
+                wait([previous])
             self.flats[k] = self.buffers.get(k % 2, self.copy_bytes[k], self.plan.device,
                                              grow_to=self.bucket_bytes)[:self.copy_bytes[k]]
         return self.flats[k][offset:offset + entry_bytes(self.plan.layout[i])]
