@@ -173,15 +173,13 @@ def main() -> None:
     from megatron_agent.models.tiny import write_tiny_model
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
-    from megatron_agent.weight_sync import WeightSync, WeightSyncConfig
+    from megatron_agent.weight_sync import WeightSync, WeightSyncConfig, is_flattened
     from rollout.engine_client import EngineClient
     from rollout.engine_launch import launch_engines, stop_engines
 
     default = WeightSyncConfig()
-    # the default format over a weight-update group (None: flattened unless the parameters lie in
-    # the distributed optimizer's buffer: WeightSync.flattened)
-    default_flat = default.flattened if default.flattened is not None else not args.distributed_optimizer
-    default_case = (default_flat, default.bucket_bytes)
+    default_case = (is_flattened(default.flattened, by_handles=False, distributed_optimizer=args.distributed_optimizer),
+                    default.bucket_bytes)  # over a weight-update group
     cases = sorted({(fmt == "flattened", int(float(b) * MIB)) for fmt in args.formats.split(",")
                     for b in args.buckets_mib.split(",")} | {default_case}, key=lambda c: (not c[0], c[1]))
     load_before = os.getloadavg()

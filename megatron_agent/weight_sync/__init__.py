@@ -74,7 +74,7 @@ class WeightSyncConfig:
     # of tensors lying back to back in the parameters' memory go straight from there, the rest
     # is copied into two reused buffers. False: one broadcast per tensor, streamed out of the
     # parameters' memory. None: flattened, except per tensor over a group when the parameters
-    # lie in the distributed optimizer's buffer (WeightSync.flattened).
+    # lie in the distributed optimizer's buffer (is_flattened).
     flattened: bool | None = None
     # "broadcast": over a weight-update group; "tensor": handles to shared memory / CUDA
     # IPC, engines on the same machine (tensor_sync.py); None: tensor when
@@ -139,14 +139,9 @@ class WeightSync:
 
     @property
     def flattened(self) -> bool:
-        """The bucket format of the next sync (`config.flattened`). None: flattened where the
-        actor packed its parameters for the export (one data-parallel rank: their runs go from
-        memory in a few buckets) or with tensor handles; per tensor where the parameters lie
-        in the distributed optimizer's buffer, whose q/k/v cut them into a run per layer, a
-        bucket each (measured slower than per tensor: docs/training.md)."""
-        if self.config.flattened is not None:
-            return self.config.flattened
-        return self.by_handles or not self.actor.distributed_optimizer
+        """The bucket format of the next sync (`is_flattened`)."""
+        return is_flattened(self.config.flattened, by_handles=self.by_handles,
+                            distributed_optimizer=self.actor.distributed_optimizer)
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """New engine addresses (restarted engines); the next sync reconnects."""
@@ -369,6 +364,17 @@ class WeightSync:
             + (f"; engine(s) down: {', '.join(down)}" if down else "")
             + "\n" + "\n".join(failures)
         )
+
+
+def is_flattened(flattened: bool | None, *, by_handles: bool, distributed_optimizer: bool) -> bool:
+    """The bucket format `WeightSyncConfig.flattened` gives. None: flattened where the actor
+    packed its parameters for the export (one data-parallel rank: their runs go from memory
+    in a few buckets) or with tensor handles; per tensor where the parameters lie in the
+    distributed optimizer's buffer, whose q/k/v cut them into a run per layer, a bucket each
+    (measured slower than per tensor: docs/training.md)."""
+    if flattened is not None:
+        return flattened
+    return by_handles or not distributed_optimizer
 
 
 @contextmanager
