@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -129,8 +128,7 @@ class WeightSync:
         self.engine_ranks: dict[str, int] | None = None  # tensor transport: one payload per engine rank
         if self.rank == 0 and not (self.is_source and self.pp_rank == 0):
             raise ValueError("global rank 0 must be stage 0's export source (Megatron's rank order); it opens "
-                             "the update while it exports")
-        self._opener = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-open")
+                             "the update before it exports")
 
     @property
     def layout(self) -> Layout | None:
@@ -203,29 +201,26 @@ class WeightSync:
         start = time.perf_counter()
         version = str(version)
         errors: list[str] = []
-        opening = None
         if self.rank == 0:
-            # opened on a thread while this rank (stage 0's source) starts exporting stage 0;
-            # its pipeline announces nothing before the update is open, and a failure to open
+            # before this rank (stage 0's source) exports: run beside the export's Python, these
+            # calls waited for the GIL, 1-8 ms each (docs/training.md); a failure to open
             # reaches every rank at stage 0's check
             # (over a group, every announcement asks the engines to flush their cache once the
             # bucket is loaded, so no flush of its own; tensor handles ask none)
-            client, flush = self._client(), self.by_handles
-            opening = self._opener.submit(lambda: (client.pause_generation("abort"), flush and client.flush_cache(),
-                                                   client.begin_weight_update()))
+            client = self._client()
+            errors += [f"opening the update: {e}" for e in self._try(lambda: (
+                client.pause_generation("abort"), self.by_handles and client.flush_cache(),
+                client.begin_weight_update()))]
         sent_bytes, buckets, in_place_bytes, checksums = 0, 0, 0, {}
         for stage in range(self.pp_size):
             if stage == self.pp_rank:
-                stage_bytes, stage_buckets, stage_in_place, stage_sums, stage_errors = self._send_stage(version,
-                                                                                                       opening)
+                stage_bytes, stage_buckets, stage_in_place, stage_sums, stage_errors = self._send_stage(
+                    version, send=not errors)
                 sent_bytes += stage_bytes
                 buckets += stage_buckets
                 in_place_bytes += stage_in_place
                 checksums.update(stage_sums)
                 errors += stage_errors
-            if opening is not None:
-                errors += [f"opening the update: {e}" for e in self._try(opening.result)]
-                opening = None
             self._raise_if_any(errors, f"sending stage {stage}")
         if self.config.check:  # every rank has the same config: all take part or none
             if self.is_source:
@@ -245,14 +240,18 @@ class WeightSync:
                 "weight_sync/buckets": float(totals[1]), "weight_sync/gb_per_s": float(totals[0]) / 1e9 / seconds,
                 "weight_sync/bytes_in_place": float(totals[2])}
 
-    def _send_stage(self, version: str, opening: Future | None = None):
-        """Every rank of this stage iterates the export; the source sends, announcing nothing
-        before `opening` (the update being opened, on rank 0) is done. After an error the
-        source keeps draining the export so its TP/EP peers do not hang."""
+    def _send_stage(self, version: str, send: bool = True):
+        """Every rank of this stage iterates the export; the source sends. After an error, or
+        without `send` (the update did not open), the source keeps draining the export so its
+        TP/EP peers do not hang."""
         from megatron_agent.weight_sync.fp8 import quantize_named
         from rollout.fp8_blocks import dequantize_block_fp8
         from rollout.weight_group import weight_checksum
 
+        if not send:
+            for _ in self.actor.named_hf_weights():
+                pass
+            return 0, 0, 0, {}, []
         errors: list[str] = []
         if self.is_source and self.group is None and not self.by_handles:
             errors += self._try(self._connect)
@@ -264,12 +263,12 @@ class WeightSync:
             plan = None
         if over_group and self.layout is not None and not self.flattened:
             pipeline = StreamedBuckets(self._announce(version), self._broadcast, self.config.bucket_bytes,
-                                       self.layout, timeout_s=self.config.timeout_s, opened=opening)
+                                       self.layout, timeout_s=self.config.timeout_s)
         elif plan is not None:
-            pipeline = PlannedBuckets(self._send_bucket(version, opening), plan, storages, self.config.bucket_bytes,
+            pipeline = PlannedBuckets(self._send_bucket(version), plan, storages, self.config.bucket_bytes,
                                       self.buffers)
         else:  # handles: the exported tensors as they are (the engines copy them before answering)
-            pipeline = BucketPipeline(self._send_bucket(version, opening), self.config.bucket_bytes,
+            pipeline = BucketPipeline(self._send_bucket(version), self.config.bucket_bytes,
                                       flattened=self.flattened and not self.by_handles, buffers=self.buffers)
         out = pipeline.destination if plan is not None else None
         checksums, layout, where = {}, [], []
@@ -293,13 +292,11 @@ class WeightSync:
         in_place_bytes = sum(entry_bytes(plan.layout[i]) for i in plan.positions) if ok and plan else 0
         return pipeline.sent_bytes, pipeline.buckets, in_place_bytes, checksums, errors
 
-    def _send_bucket(self, version: str, opening: Future | None):
+    def _send_bucket(self, version: str):
         if self.by_handles:
             from megatron_agent.weight_sync.tensor_sync import send_tensor_bucket
 
             def send_handles(named, flat):
-                if opening is not None:
-                    opening.result()
                 if self.engine_ranks is None:
                     self.engine_ranks = self._client().server_ranks(timeout_s=min(30.0, self.config.timeout_s))
                 send_tensor_bucket(self._client(), named, self.engine_ranks, weight_version=version,
@@ -307,8 +304,6 @@ class WeightSync:
             return send_handles
 
         def send(named, flat):
-            if opening is not None:
-                opening.result()
             send_weights(self._client(), self.group, named, self.group_name, weight_version=version,
                          flattened=self.flattened, timeout_s=self.config.timeout_s, flat=flat)
         return send

@@ -422,19 +422,13 @@ class StreamedBuckets:
     is announced once every engine answered the previous one. Same interface as
     `BucketPipeline` (add, failed, finish, buckets, sent_bytes).
 
-    `opened`: the update being opened (pause, begin on the engines); until it is
-    done, the first bucket's tensors are kept as the export yields them, then announced and
-    sent at once (so the export starts while the engines are being paused).
-
     The export must yield exactly `layout`. If it does not (a can't-happen: a different
     model), the announced bucket is completed with zeros so that no engine waits for a
     broadcast that never comes, and the sync fails (`layout_broken`; the caller re-plans)."""
 
     def __init__(self, announce: Announce, broadcast: Broadcast, bucket_bytes: int, layout: Layout,
-                 timeout_s: float = 600.0, opened: Future | None = None):
+                 timeout_s: float = 600.0):
         self.announce, self.broadcast, self.layout, self.timeout_s = announce, broadcast, list(layout), timeout_s
-        self.opened = opened
-        self.held: list[tuple[str, torch.Tensor]] = []  # yielded before the update was open
         self.bounds = cut_buckets(self.layout, bucket_bytes)
         self.bucket_of_start = {start: k for k, (start, _) in enumerate(self.bounds)}
         self.index = 0  # next position in the layout
@@ -454,31 +448,6 @@ class StreamedBuckets:
         return bool(self.errors)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if self.errors:
-            return
-        if self.opened is not None:
-            first_end = self.bounds[0][1] if self.bounds else 0
-            if not self.opened.done() and len(self.held) + 1 < first_end:
-                self.held.append((name, tensor))
-                return
-            self._release_held()
-            if self.errors:
-                return
-        self._add(name, tensor)
-
-    def _release_held(self) -> None:
-        """Wait until the update is open, then send what the export yielded meanwhile."""
-        opened, self.opened = self.opened, None
-        held, self.held = self.held, []
-        try:
-            opened.result(timeout=self.timeout_s)
-        except Exception as err:  # not open: announce nothing (the opener reports why)
-            self.errors.append(f"the update was not opened ({type(err).__name__})")
-            return
-        for name, tensor in held:
-            self._add(name, tensor)
-
-    def _add(self, name: str, tensor: torch.Tensor) -> None:
         if self.errors:
             return
         i = self.index
@@ -510,8 +479,6 @@ class StreamedBuckets:
     def finish(self, send_pending: bool = True) -> list[str]:
         """Wait for the last bucket; the errors, if any. (`send_pending` is accepted for
         `BucketPipeline`'s interface: an announced bucket is always completed.)"""
-        if self.opened is not None and not self.errors:
-            self._release_held()
         if self.open_end is not None or (self.index < len(self.layout) and not self.errors and send_pending):
             self._break(f"the export ended after {self.index} of the {len(self.layout)} tensors announced")
         self._complete()

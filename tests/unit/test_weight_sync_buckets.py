@@ -256,32 +256,6 @@ def test_streamed_buckets_stop_after_a_failed_announcement():
     assert len(wire.announced) == 1 and len(wire.sent) == cut_buckets(layout, 40)[0][1]  # nothing unannounced
 
 
-def test_streamed_buckets_hold_the_first_bucket_until_the_update_is_open():
-    from concurrent.futures import Future
-
-    named = exported(7)
-    layout = [layout_entry(n, t) for n, t in named]
-    opened, wire = Future(), FakeWire()
-    pipeline = StreamedBuckets(wire.announce, wire.broadcast, 10**6, layout, opened=opened)
-    for n, t in named[:3]:
-        pipeline.add(n, t)
-    assert wire.announced == [] and wire.sent == []  # pause, flush, begin still under way
-    opened.set_result(None)
-    for n, t in named[3:]:
-        pipeline.add(n, t)
-    assert pipeline.finish() == []
-    assert len(wire.announced) == 1
-    assert_exactly(list(zip([n for n, _ in named], wire.sent)), [(n, t.contiguous()) for n, t in named])
-
-    failed, wire = Future(), FakeWire()
-    failed.set_exception(ConnectionError("engine gone"))
-    pipeline = StreamedBuckets(wire.announce, wire.broadcast, 10**6, layout, opened=failed)
-    for n, t in named:
-        pipeline.add(n, t)
-    errors = pipeline.finish()
-    assert len(errors) == 1 and "not opened" in errors[0] and wire.announced == [] and wire.sent == []
-
-
 # --- flattened buckets sent from where they lie -------------------------------------------
 
 

@@ -180,3 +180,51 @@ def test_engine_dying_mid_sync_is_named_and_a_restarted_one_syncs(tiny_model_dir
     assert out["error"] is not None and engines[1].url in out["error"], out["error"]
     assert out["buckets_before_failure"] >= 1
     assert out["second"]["weight_sync/bytes"] > 0 and out["second"]["weight_sync/buckets"] > 1
+
+
+def _sync_when_the_update_does_not_open(model_dir: str, urls: list[str]) -> dict:
+    from megatron_agent.algorithms import AlgorithmConfig
+    from megatron_agent.platform import ParallelConfig, init_distributed
+    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+    from rollout.engine_client import EngineClient
+
+    ctx = init_distributed(ParallelConfig(tp=2), seed=7)
+    actor = Actor(model_dir, ctx.parallel, ActorConfig(), AlgorithmConfig(use_kl_loss=False))
+    sync = WeightSync(actor, urls, WeightSyncConfig(timeout_s=20, check=True))
+    original = EngineClient.begin_weight_update
+
+    def refused(self):
+        raise ConnectionError("begin refused")
+    EngineClient.begin_weight_update = refused  # on rank 0, the only rank that opens
+    try:
+        sync.sync(version=1)
+        error = None
+    except WeightSyncError as err:
+        error = str(err)
+    finally:
+        EngineClient.begin_weight_update = original
+    untouched = EngineClient(urls).model_info()[0]["weight_version"]
+    metrics = sync.sync(version=2)
+    sync.close()
+    return {"error": error, "metrics": metrics, "version_after_failure": untouched}
+
+
+def test_an_update_that_does_not_open_sends_nothing_and_the_next_sync_works(tiny_model_dir):
+    """Rank 0 opens the update before it exports; when that fails, its TP peer still gets
+    through the export's gathers, both ranks raise, no bucket was announced (the engine's
+    version is unchanged), and the next sync goes through (checksums equal)."""
+    from rollout.engine_client import EngineClient
+
+    engines = launch_engines(tiny_model_dir("qwen3"), 1)
+    try:
+        outs = run_on_ranks(_sync_when_the_update_does_not_open, 2, str(tiny_model_dir("qwen3")),
+                            [engines[0].url], timeout_s=300)
+        versions = [info["weight_version"] for info in EngineClient([engines[0].url]).model_info()]
+    finally:
+        stop_engines(engines)
+    for out in outs:
+        assert out["error"] is not None and "opening the update" in out["error"] and "begin refused" in out["error"]
+        assert out["version_after_failure"] not in ("1", "2")  # nothing was announced
+        assert out["metrics"]["weight_sync/buckets"] >= 1
+    assert versions == ["2"]
