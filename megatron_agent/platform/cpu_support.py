@@ -20,6 +20,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import sys
 import types
 import warnings
 
@@ -46,6 +47,7 @@ def enable_cpu_support() -> bool:
     if torch.cuda.is_available():
         return False
     if not _applied:
+        _import_megatron_without_compile()
         _redirect_cuda_runtime()
         _redirect_cuda_tensor_creation()
         _patch_megatron()
@@ -57,6 +59,27 @@ def enable_cpu_support() -> bool:
 def cpu_support_enabled() -> bool:
     """Whether the redirects are in place (a CPU-only process after enable_cpu_support)."""
     return _applied
+
+
+def _import_megatron_without_compile():
+    """Import Megatron with `torch.compile` as the identity. At import Megatron wraps its
+    fused kernels in `torch.compile` (megatron/core/jit.py: `jit_fuser`), which imports
+    dynamo and inductor: 1.7 s of the 4.5 s a process took to import Megatron here, paid by
+    every rank a test or a run starts. Those kernels only run with the fusions that
+    `transformer_config` turns off; were one called, it would run eagerly, as it does
+    uncompiled. Megatron keeps the identity as its `jit_fuser`; torch's own is restored."""
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+
+    def identity(model=None, **options):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = identity
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = compile_
 
 
 # --- 1. the CUDA runtime -------------------------------------------------------------

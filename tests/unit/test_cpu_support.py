@@ -133,3 +133,28 @@ def test_torch_norms_take_sequence_parallelism_and_tag_their_weights():
     assert not getattr(plain.weight, "sequence_parallel", False)
     x = torch.randn(3, 8)
     assert torch.equal(norm(x), plain(x))  # per token: where the sequence is cut changes nothing
+
+
+def test_megatron_imports_without_torch_compile_and_its_fused_kernels_run_eagerly():
+    """In a fresh process: the CPU layer imports Megatron without dynamo/inductor (its
+    `torch.compile` wrappers become the identity), torch's own `torch.compile` is back
+    afterwards, and a wrapped kernel (SwiGLU) computes silu(a) * b."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+import torch.nn.functional as F
+from megatron_agent.platform.cpu_support import enable_cpu_support
+compile_ = torch.compile
+enable_cpu_support()
+from megatron.core.fusions.fused_bias_swiglu import swiglu
+y = torch.randn(4, 6)
+a, b = torch.chunk(y, 2, dim=-1)
+assert torch.equal(swiglu(y), F.silu(a) * b)
+assert torch.compile is compile_
+assert "torch._dynamo" not in sys.modules, "Megatron's import pulled in dynamo"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
