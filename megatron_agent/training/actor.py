@@ -35,6 +35,8 @@ from megatron_agent.models.builder import build_model
 from megatron_agent.models.checkpoint import DTYPES, copy_hf_side_files, model_state, read_mcore_metadata
 from megatron_agent.models.families import family_of
 from megatron_agent.models.transformer_config import read_hf_config
+from megatron_agent.platform.collectives import all_reduce, broadcast
+from megatron_agent.platform.distributed import control_group
 from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.batch import TrainBatch, micro_batch_images, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_entropy, token_logprobs
@@ -189,8 +191,7 @@ class Actor:
 
         if self.dp_size == 1 or ps.get_expert_model_parallel_world_size() == 1:
             return micro
-        count = torch.tensor([len(micro)])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        count = all_reduce(torch.tensor([len(micro)]), ps.get_data_parallel_group(), op=dist.ReduceOp.MAX)
         if int(count) == len(micro):
             return micro
         filler = micro[-1] if micro else self._micro_batches(_IDLE_BATCH, [0])[0]
@@ -214,13 +215,13 @@ class Actor:
             rows[i, : row.shape[0]] = row
         if self.pp_size > 1 and rows.numel():
             last = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast(rows, src=last, group=ps.get_pipeline_model_parallel_group())
+            broadcast(rows, last, ps.get_pipeline_model_parallel_group())
         if batch.is_shard:
             return rows
         whole = torch.zeros(batch.size, batch.tokens.shape[1] - 1 if per_token else 1)
         whole[shard.positions(), : rows.shape[1]] = rows
         if self.dp_size > 1:
-            dist.all_reduce(whole, group=ps.get_data_parallel_group())  # each row is set on one DP rank
+            all_reduce(whole, ps.get_data_parallel_group())  # each row is set on one DP rank
         return whole
 
     def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False,
@@ -266,7 +267,7 @@ class Actor:
 
         count = torch.tensor([self._count(response_mask)], dtype=torch.float64)
         if self.dp_size > 1:
-            dist.all_reduce(count, group=ps.get_data_parallel_group())
+            all_reduce(count, ps.get_data_parallel_group())
         return float(count)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -361,7 +362,8 @@ class Actor:
         from megatron.core import parallel_state as ps
 
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, collected if ps.is_pipeline_last_stage(ignore_virtual=True) else [])
+        dist.all_gather_object(gathered, collected if ps.is_pipeline_last_stage(ignore_virtual=True) else [],
+                               group=control_group())
         entries = [e for rank_entries in gathered for e in rank_entries]
         total = sum(w for _, w in entries) or 1.0
         keys = entries[0][0].keys() if entries else []
@@ -412,10 +414,10 @@ class Actor:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
+        dist.barrier(group=control_group())
         _writer_results_queue_dies_with_us()
         dist_checkpointing.save(self._state(is_loading=False), str(tmp))
-        dist.barrier()
+        dist.barrier(group=control_group())
         if dist.get_rank() == 0:
             copy_hf_side_files(self.model_dir, tmp / "hf")
             (tmp / "megatron_agent.json").write_text(json.dumps({
@@ -428,7 +430,7 @@ class Actor:
             siblings = sorted(p for p in directory.parent.iterdir() if p.is_dir() and not p.name.startswith("."))
             for old in siblings[: max(0, len(siblings) - self.config.keep_checkpoints)]:
                 shutil.rmtree(old)
-        dist.barrier()
+        dist.barrier(group=control_group())
         return directory
 
     def load(self, directory: str | Path) -> None:

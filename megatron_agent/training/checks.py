@@ -74,9 +74,11 @@ def rollout_logprob_gap(actor_logprobs: torch.Tensor, rollout_logprobs: torch.Te
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
+        from megatron_agent.platform.collectives import all_reduce
+
         if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
-            dist.all_reduce(sums, group=ps.get_data_parallel_group())
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            all_reduce(sums, ps.get_data_parallel_group())
+            all_reduce(worst, ps.get_data_parallel_group(), op=dist.ReduceOp.MAX)
     return {"check/rollout_logprob_max_abs_diff": float(worst),
             "check/rollout_logprob_mean_abs_diff": float(sums[0] / sums[1]) if sums[1] else 0.0}
 

@@ -41,7 +41,6 @@ def _layout_name(layout: dict) -> str:
 
 
 def _worker(model_dir: str, ckpt_dir: str, layouts: list[dict]) -> dict:
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -53,6 +52,7 @@ def _worker(model_dir: str, ckpt_dir: str, layouts: list[dict]) -> dict:
         initialize_model_parallel,
         set_seed,
     )
+    from megatron_agent.platform.collectives import all_reduce
     from megatron_agent.training.schedule import (
         attach_grad_finalization,
         run_schedule,
@@ -101,7 +101,7 @@ def _worker(model_dir: str, ckpt_dir: str, layouts: list[dict]) -> dict:
         loss = torch.tensor(
             [sum(float(m["loss"]) for m in losses), float(len(losses))], dtype=torch.float64
         )
-        dist.all_reduce(loss)
+        all_reduce(loss)
         results[_layout_name(layout)] = {"loss": float(loss[0] / loss[1]), "grad_norm": float(grad_norm)}
         del chunks, optimizer
         destroy_model_parallel()
