@@ -8,10 +8,14 @@ trainer, or the two never meet: a TCP rendezvous store at master_address:master_
 (the group's rank 0, the trainer's sender, hosts it), wrapped in a PrefixStore named
 after group_name, then a new process group on that store. A plain
 `init_process_group` would create the *default* group and not meet the server there.
+
+The group is a world of its own (the trainer's sender and the engines' ranks), never a
+part of the caller's default group: see `_never_split_from_default_group`.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import (
     Backend,
     PrefixStore,
+    _get_default_group,
     _new_process_group_helper,
     _world,
     rendezvous,
@@ -48,11 +53,37 @@ def init_weight_update_group(
     # Private torch API; the same call SGLang's server makes, so the keys on the store
     # (prefixes included) are the same on both sides.
     kwargs = {"backend_options": None} if _accepts("backend_options") else {"pg_options": None}
-    pg, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **kwargs
-    )
+    with _never_split_from_default_group():
+        pg, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **kwargs
+        )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+@contextmanager
+def _never_split_from_default_group():
+    """Have torch build the group's own communicator (ncclCommInitRank, as SGLang's side
+    does), not split one from the default group's.
+
+    torch (2.11, 2.13) splits every new NCCL group from the default group's communicator
+    (ncclCommSplit) when the default group is bound to a device
+    (`init_process_group(device_id=...)`, as platform/distributed.py does on GPU):
+    `_new_process_group_helper` decides it by `_get_default_group().bound_device_id`.
+    A split is collective over the default group, which holds the trainer's ranks and
+    none of the engines', while SGLang's members call ncclCommInitRank: the first
+    broadcast hangs. The binding is lifted for the call and put back after it (it is a
+    plain attribute: setting it touches no live communicator)."""
+    default = _get_default_group() if dist.is_initialized() else None
+    bound = default.bound_device_id if default is not None else None
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
 
 
 def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
