@@ -10,6 +10,9 @@ One 2-rank job per family runs every layout in turn on the same batch:
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
 
@@ -32,6 +35,75 @@ def _batch(vocab: int):
                                      temperature=TEMPERATURE)
 
 
+class GroupStepAdam(torch.optim.Optimizer):
+    """Adam with the state layout of Transformer Engine's FusedAdam, which Megatron uses on
+    GPU (transformer_engine/pytorch/optimizers/fused_adam.py): the step count in each
+    param group, a parameter's state holding only exp_avg, exp_avg_sq (and master_param),
+    and state_dict / load_state_dict that fail on any other name. Its arithmetic is
+    torch's Adam's, so its updates equal the CPU optimizer's."""
+
+    STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.adam_w_mode = adam_w_mode
+
+    def _check_names(self, state: dict) -> None:
+        for per_param in state.values():
+            for name in per_param:
+                if name not in self.STATE_NAMES:
+                    raise KeyError(name)
+
+    def state_dict(self):
+        out = super().state_dict()
+        self._check_names(out["state"])
+        return out
+
+    def load_state_dict(self, state_dict):
+        self._check_names(state_dict["state"])
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (beta1, beta2), t, lr, wd = group["betas"], group["step"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                grad = p.grad if self.adam_w_mode or not wd else p.grad + wd * p
+                if self.adam_w_mode and wd:
+                    p.mul_(1 - lr * wd)
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
+
+
+@contextlib.contextmanager
+def fused_adam_layout():
+    """Megatron as it is on GPU with Transformer Engine installed (optimizer/__init__.py and
+    optimizer/distrib_optimizer.py pick FusedAdam and its step handling at import), with
+    `GroupStepAdam` standing in for TE's FusedAdam."""
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
+    patches = [(megatron_optimizer, "Adam", GroupStepAdam), (megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False),
+               (distrib_optimizer, "Adam", GroupStepAdam), (distrib_optimizer, "HAVE_APEX_OR_TE", True),
+               (distrib_optimizer, "USING_TE_OPTIMIZER", True)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def _name(layout):
     return ",".join(f"{k}={v}" for k, v in layout.items()) or "tp=1"
 
@@ -48,7 +120,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         initialize_model_parallel,
         set_seed,
     )
-    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.training.actor import Actor, ActorConfig, _adam_steps, _torch_optimizers
 
     hf = read_hf_config(model_dir)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01, entropy_coef=0.01)
@@ -86,31 +158,37 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         destroy_model_parallel()
 
     # The distributed optimizer (DP=2 shards the optimizer state): same update, and its
-    # checkpoint (dp_reshardable) resumes at the same layout.
+    # checkpoint (dp_reshardable) resumes at the same layout; with torch's Adam (CPU) and
+    # with FusedAdam's state layout, which Megatron takes on GPU.
     from dataclasses import replace
 
     config_plain = config
     config = replace(config_plain, use_distributed_optimizer=True)
-    actor = make(dict())
-    batch = _batch(hf["vocab_size"])
-    batch.old_logprobs = actor.compute_logprobs(batch)["logprobs"]
-    actor.update(batch)
-    results["distopt"] = {"weights_1": weights(actor)}
-    actor.save(f"{ckpt_root}/distopt/iter_1")
-    batch2 = _batch(hf["vocab_size"])
-    batch2.old_logprobs = actor.compute_logprobs(batch2)["logprobs"]
-    actor.update(batch2)
-    results["distopt"]["weights_2"] = weights(actor)
-    del actor
-    destroy_model_parallel()
-    actor = make(dict())
-    actor.load(f"{ckpt_root}/distopt/iter_1")
-    batch2 = _batch(hf["vocab_size"])
-    batch2.old_logprobs = actor.compute_logprobs(batch2)["logprobs"]
-    actor.update(batch2)
-    results["resumed distopt"] = {"weights_2": weights(actor)}
-    del actor
-    destroy_model_parallel()
+    for name, optimizer_layout in (("distopt", contextlib.nullcontext), ("distopt fused", fused_adam_layout)):
+        with optimizer_layout():
+            actor = make(dict())
+            batch = _batch(hf["vocab_size"])
+            batch.old_logprobs = actor.compute_logprobs(batch)["logprobs"]
+            actor.update(batch)
+            results[name] = {"weights_1": weights(actor)}
+            actor.save(f"{ckpt_root}/{name}/iter_1")
+            batch2 = _batch(hf["vocab_size"])
+            batch2.old_logprobs = actor.compute_logprobs(batch2)["logprobs"]
+            actor.update(batch2)
+            results[name]["weights_2"] = weights(actor)
+            del actor
+            destroy_model_parallel()
+            actor = make(dict())
+            actor.load(f"{ckpt_root}/{name}/iter_1")
+            results["resumed " + name] = {"adam_steps": _adam_steps(actor.optimizer),
+                                          "optimizers": sorted({type(o).__name__
+                                                                for o in _torch_optimizers(actor.optimizer)})}
+            batch2 = _batch(hf["vocab_size"])
+            batch2.old_logprobs = actor.compute_logprobs(batch2)["logprobs"]
+            actor.update(batch2)
+            results["resumed " + name]["weights_2"] = weights(actor)
+            del actor
+            destroy_model_parallel()
     config = config_plain
 
     for layout in layouts:  # resume each checkpoint at TP=1 (DP=2) and take the second update
@@ -202,9 +280,17 @@ def test_resume_at_another_layout_continues_exactly(actor_results):
         assert _max_diff(resumed, uninterrupted) < 1e-5, layout
 
 
-def test_distributed_optimizer_updates_and_resumes_the_same(actor_results):
+@pytest.mark.parametrize("optimizer", ["distopt", "distopt fused"])
+def test_distributed_optimizer_updates_and_resumes_the_same(actor_results, optimizer):
+    """torch's Adam, and FusedAdam's layout (the step in the param groups; on GPU a
+    per-parameter "step" made its state_dict raise KeyError, and the step read back was
+    0, restarting the bias correction)."""
     _, _, per_rank = actor_results
     plain = _merged_weights(per_rank, "tp=1", "weights_1")
-    assert _max_diff(_merged_weights(per_rank, "distopt", "weights_1"), plain) < 1e-6
-    resumed = _merged_weights(per_rank, "resumed distopt", "weights_2")
-    assert _max_diff(resumed, _merged_weights(per_rank, "distopt", "weights_2")) < 1e-6
+    assert _max_diff(_merged_weights(per_rank, optimizer, "weights_1"), plain) < 1e-6
+    for rank in per_rank:
+        assert rank["resumed " + optimizer]["adam_steps"] == 1
+        assert rank["resumed " + optimizer]["optimizers"] == (
+            ["GroupStepAdam"] if optimizer.endswith("fused") else ["AdamW"])
+    resumed = _merged_weights(per_rank, "resumed " + optimizer, "weights_2")
+    assert _max_diff(resumed, _merged_weights(per_rank, optimizer, "weights_2")) < 1e-6
