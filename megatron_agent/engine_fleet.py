@@ -13,8 +13,12 @@ after the rollout the engines release their memory (`/release_memory_occupation`
 weights and KV cache) while the actor trains; the weight sync first resumes their
 weights' memory, then sends the weights (by tensor handles: `weight_sync.transport`
 "tensor": megatron_agent/weight_sync/tensor_sync.py), then resumes the KV cache. Engines
-that refuse the release keep their memory: the run logs why, once, and goes on. (SGLang
-on a CPU accepts both calls and frees nothing: its memory saver is CUDA-only.)
+that refuse the release keep their memory: the run logs why, once, and goes on.
+`engine/memory_released` is 1 only when the engines' release frees memory, which the
+leader reads from each engine's /server_info when they start (`release_frees_memory`):
+SGLang without its memory saver (`--enable-memory-saver`, CUDA-only) accepts both calls,
+answers 200 and frees nothing. On a GPU such an engine is refused (the actor would run
+out of memory beside it: `memory_saver_problem`); on a CPU the run logs it and goes on.
 
 When a step fails because the engines did (`EngineError`, `WeightSyncError`), the leader
 restarts them (embedded or project-started engines only: a configured SGLang fleet is
@@ -42,6 +46,34 @@ def weight_transport(config) -> str:
     return config.weight_sync.transport or ("tensor" if config.placement.colocate else "broadcast")
 
 
+def release_frees_memory(info: dict) -> bool:
+    """Whether an engine's /release_memory_occupation frees memory, by its /server_info.
+    SGLang (its answer has `enable_memory_saver`, 0.5.23) frees weights and KV cache only
+    with the memory saver on, which is CUDA-only; without it the call changes nothing and
+    answers 200. The embedded engine (no such field) frees its parameters."""
+    if "enable_memory_saver" not in info:
+        return True
+    return bool(info["enable_memory_saver"]) and info.get("device") != "cpu"
+
+
+def memory_saver_problem(url: str, info: dict) -> str | None:
+    """Why a colocated run cannot use the engine at `url` (None: it can): SGLang on a GPU
+    without its memory saver keeps its weights and KV cache while the actor trains."""
+    if release_frees_memory(info) or info.get("device") == "cpu":
+        return None
+    return (f"{url} is SGLang on {info.get('device')} without --enable-memory-saver: its /release_memory_occupation "
+            "frees nothing (and answers 200), so the actor trains beside its weights and KV cache and runs out "
+            "of memory; start it with --enable-memory-saver and a --mem-fraction-static that leaves the actor "
+            "room (engines this run starts get both), or set placement.colocate=false")
+
+
+def release_check(infos: dict[str, dict]) -> tuple[bool, str | None]:
+    """From each engine's /server_info (URL -> answer): whether all of them free memory
+    when released, and why they cannot be colocated (None: they can)."""
+    problems = [p for p in (memory_saver_problem(url, info) for url, info in infos.items()) if p]
+    return all(release_frees_memory(info) for info in infos.values()), "; ".join(problems) or None
+
+
 def make_weight_sync(actor, urls: list[str], config):
     from megatron_agent.weight_sync import WeightSync
 
@@ -54,6 +86,7 @@ class EngineFleet:
         engines' logs). `launch_engines(engine_config, model_dir, log_dir)` returns started
         engines (objects with `url` and `stop()`); by default embedded engine processes."""
         from megatron_agent.platform import from_leader
+        from rollout.engine_client import EngineError
         from rollout.engine_launch import engine_client, launch_embedded_engines
 
         self.engine_config = config.engine
@@ -65,16 +98,38 @@ class EngineFleet:
         self.colocate = config.placement.colocate
         self.released: set[str] = set()  # (leader) the memory tags the engines released
         self.release_refused: str | None = None  # (leader) why the engines keep their memory
+        self.frees_memory = True  # whether the engines' release frees memory (colocated)
         try:
-            if leader and not self.engine_config.urls:
-                self.engines = self.launch_engines(self.engine_config, model_dir, self.log_dir)
-            self.urls = from_leader(list(self.engine_config.urls) or [e.url for e in self.engines])
+            problem = None
             if leader:
-                self.client = engine_client(self.engine_config, self.urls)
+                if not self.engine_config.urls:
+                    self.engines = self.launch_engines(self.engine_config, model_dir, self.log_dir)
+                urls = list(self.engine_config.urls) or [e.url for e in self.engines]
+                self.client = engine_client(self.engine_config, urls)
+                if self.colocate:
+                    self.frees_memory, problem = release_check(self._server_infos(urls))
+                    if not self.frees_memory and not problem:
+                        log.warning("the colocated engines free no memory when released (SGLang on a CPU: its "
+                                    "memory saver is CUDA-only): engine/memory_released stays 0")
+            self.urls, self.frees_memory, problem = from_leader(
+                (urls, self.frees_memory, problem) if leader else None)
+            if problem:
+                raise EngineError(problem)
             self.weight_sync = make_weight_sync(actor, self.urls, config)
         except BaseException:
             self.close()
             raise
+
+    def _server_infos(self, urls: list[str]) -> dict[str, dict]:
+        """(leader) Each engine's /server_info ({} where it has none)."""
+        from rollout.engine_client import http_json
+
+        infos = {}
+        for url in urls:
+            status, info = http_json("GET", url + "/server_info", timeout_s=self.engine_config.timeout_s,
+                                     token=self.client.token)
+            infos[url] = info if status == 200 and isinstance(info, dict) else {}
+        return infos
 
     def run(self, step, version: int):
         """`step(client)` on the leader (None on the other ranks), retried on new engines
@@ -91,7 +146,8 @@ class EngineFleet:
         released = bool(self._memory_call("resume", ["weights"]))
         metrics = self.weight_sync.sync(version=version)
         self._memory_call("resume", ["kv_cache"])
-        return {**metrics, "engine/memory_released": float(released)} if self.colocate else metrics
+        return ({**metrics, "engine/memory_released": float(released and self.frees_memory)} if self.colocate
+                else metrics)
 
     def release_memory(self) -> None:
         """Colocated runs (every rank calls it, after the rollout): the engines free their

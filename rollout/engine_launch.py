@@ -54,7 +54,29 @@ class EngineConfig:
     # or "sglang" (an SGLang server per engine, on `gpus_per_engine` GPUs, placement=ray).
     server: str = "embedded"
     gpus_per_engine: int = 0
-    server_args: tuple[str, ...] = ()  # extra command-line flags for each SGLang server
+    # SGLang's --mem-fraction-static: the share of the GPU memory free at its start that it
+    # takes for weights and KV cache. None: SGLang's own choice, or, colocated with the
+    # trainer, COLOCATED_MEM_FRACTION_STATIC (the rest is the actor's while the engine runs).
+    mem_fraction_static: float | None = None
+    server_args: tuple[str, ...] = ()  # extra command-line flags for each SGLang server (they come last: they win)
+
+
+# Colocated SGLang's default --mem-fraction-static. SGLang (0.5.23) sizes its KV cache so
+# that weights + cache take this share of the GPU memory free when it starts, after the
+# actor's model; the actor's later allocations (optimizer state, activations it keeps
+# cached) must fit in the rest while the engine holds its memory.
+COLOCATED_MEM_FRACTION_STATIC = 0.5
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+
+
+def engine_url_host(bind_host: str, advertise_host: str | None = None) -> str:
+    """The host in the URL of an engine bound to `bind_host`: that address, or, bound to
+    every address, `advertise_host` (the address other machines reach this one at; under
+    Ray the node's, `ray.util.get_node_ip_address()`), else loopback. Not this machine's
+    name looked up in /etc/hosts: Debian-style hosts files map it to 127.0.1.1, which no
+    other machine reaches."""
+    host = bind_host if bind_host not in WILDCARD_HOSTS else advertise_host or "127.0.0.1"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 @dataclass
@@ -103,11 +125,13 @@ def _start(model_path: str, host: str, threads: int, max_batch_size: int, dtype:
 def launch_engines(model_path: str | Path, num_engines: int = 1, *, host: str = "127.0.0.1",
                    threads: int = 1, max_batch_size: int = 256, dtype: str = "float32",
                    token: str | None = None, timeout_s: float = 120.0, log_dir: str | Path | None = None,
-                   ranks: int = 1, allowed_weight_dirs: Sequence[str | Path] = ()) -> list[EngineProcess]:
+                   ranks: int = 1, allowed_weight_dirs: Sequence[str | Path] = (),
+                   advertise_host: str | None = None) -> list[EngineProcess]:
     """Start `num_engines` embedded engines (of `ranks` weight-update ranks each) on free
     ports; return once all answer /health. /update_weights_from_disk loads, without the
     token, from the model's directory and `allowed_weight_dirs`. Bound beyond loopback
-    without a token (`token`, else MEGATRON_AGENT_ENGINE_TOKEN): `InsecureBind`."""
+    without a token (`token`, else MEGATRON_AGENT_ENGINE_TOKEN): `InsecureBind`. Their
+    URLs name `engine_url_host(host, advertise_host)`."""
     require_token(host, resolve_token(token), "an embedded engine")
     model_path = Path(model_path).resolve()  # the engine processes may run elsewhere
     weight_dirs = tuple(dict.fromkeys(str(Path(d).resolve()) for d in (model_path, *allowed_weight_dirs)))
@@ -119,8 +143,7 @@ def launch_engines(model_path: str | Path, num_engines: int = 1, *, host: str = 
             for attempt in range(_PORT_RETRIES):
                 proc, port, log_path = _start(str(model_path), host, threads, max_batch_size, dtype, token,
                                                 log_dir, i, ranks, weight_dirs)
-                url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-                engine = EngineProcess(f"http://{url_host}:{port}", proc, log_path)
+                engine = EngineProcess(f"http://{engine_url_host(host, advertise_host)}:{port}", proc, log_path)
                 if wait_healthy(engine, timeout_s):
                     started.append(engine)
                     break
@@ -154,26 +177,36 @@ def stop_engines(engines: list[EngineProcess]) -> None:
         e.stop()
 
 
-def launch_embedded_engines(config: EngineConfig, model_path: str | Path,
-                            log_dir: str | Path | None = None) -> list[EngineProcess]:
+def launch_embedded_engines(config: EngineConfig, model_path: str | Path, log_dir: str | Path | None = None,
+                            advertise_host: str | None = None) -> list[EngineProcess]:
     """The driver's default engine launcher: `config.num_engines` embedded engines here.
     `log_dir` is the run directory's `engines/` folder: the run directory (its parent) and
     the model's directory are where the engines may load weights from disk."""
     return launch_engines(model_path, config.num_engines, host=config.host, threads=config.threads_per_engine,
                           max_batch_size=config.max_batch_size, dtype=config.dtype, token=config.auth_token,
                           log_dir=log_dir, ranks=config.ranks_per_engine,
-                          allowed_weight_dirs=[Path(log_dir).parent] if log_dir else ())
+                          allowed_weight_dirs=[Path(log_dir).parent] if log_dir else (),
+                          advertise_host=advertise_host)
 
 
-def sglang_server_command(config: EngineConfig, model_path: str | Path, port: int) -> list[str]:
+def sglang_server_command(config: EngineConfig, model_path: str | Path, port: int, *,
+                          colocated: bool = False) -> list[str]:
     """The command line of one SGLang server (GPU machines; the `gpu` extra installs it).
     Bound beyond loopback it needs an API key (`config.auth_token`, else
-    MEGATRON_AGENT_ENGINE_TOKEN): `InsecureBind` otherwise."""
+    MEGATRON_AGENT_ENGINE_TOKEN): `InsecureBind` otherwise. `colocated` (with the trainer,
+    on its GPUs): the memory saver on, without which SGLang's /release_memory_occupation
+    frees nothing and still answers 200, and `--mem-fraction-static`
+    COLOCATED_MEM_FRACTION_STATIC unless `config.mem_fraction_static` says otherwise."""
     token = resolve_token(config.auth_token)
     require_token(config.host, token, "an SGLang server")
+    fraction = config.mem_fraction_static
+    if colocated and fraction is None:
+        fraction = COLOCATED_MEM_FRACTION_STATIC
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", config.host,
             "--port", str(port), "--tp-size", str(max(1, config.gpus_per_engine)), "--dtype", config.dtype,
             "--max-running-requests", str(config.max_batch_size),
+            *(["--enable-memory-saver"] if colocated else []),
+            *(["--mem-fraction-static", str(fraction)] if fraction is not None else []),
             *(["--api-key", token] if token else []), *config.server_args]
 
 
@@ -190,20 +223,22 @@ def sglang_model_environment(model_path: str | Path, base: dict[str, str] | None
 
 
 def start_sglang_server(config: EngineConfig, model_path: str | Path, log_dir: str | Path,
-                        index: int = 0, timeout_s: float = 900.0) -> EngineProcess:
-    """Start one SGLang server on a free port (its GPUs are CUDA_VISIBLE_DEVICES) and wait
-    until it answers /health; the URL names this host as others reach it."""
-    import socket
-
+                        index: int = 0, timeout_s: float = 900.0, *, advertise_host: str | None = None,
+                        colocated: bool = False, cuda_visible_devices: str | None = None) -> EngineProcess:
+    """Start one SGLang server on a free port and wait until it answers /health. Its GPUs
+    are CUDA_VISIBLE_DEVICES: this process's, or `cuda_visible_devices` (a colocated
+    engine of TP > 1 spans the GPUs of several trainer ranks). `colocated`: see
+    `sglang_server_command`. The URL names `engine_url_host(config.host, advertise_host)`."""
     port = free_port()
     log_path = Path(log_dir) / f"sglang-{index}-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = sglang_server_command(config, model_path, port, colocated=colocated)
+    env = sglang_model_environment(model_path)
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(sglang_server_command(config, model_path, port), stdout=log,
-                                stderr=subprocess.STDOUT, env=sglang_model_environment(model_path),
-                                preexec_fn=die_with_parent)
-    host = socket.gethostbyname(socket.gethostname()) if config.host in ("0.0.0.0", "::") else config.host
-    engine = EngineProcess(f"http://{host}:{port}", proc, log_path)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+    engine = EngineProcess(f"http://{engine_url_host(config.host, advertise_host)}:{port}", proc, log_path)
     if not wait_healthy(engine, timeout_s):
         raise RuntimeError(f"SGLang server {index} did not start; its log ({log_path}):\n"
                            + log_path.read_text()[-3000:])
@@ -330,8 +365,7 @@ def start_sglang_cpu_server(model_path: str | Path, *, tp_size: int = 1, python:
                                     env=sglang_model_environment(model_path, sglang_cpu_environment(tp_size, env)),
                                     start_new_session=True,
                                     preexec_fn=die_with_parent)
-        url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        server = SGLangCPUServer(f"http://{url_host}:{port}", proc, log_path)
+        server = SGLangCPUServer(f"http://{engine_url_host(host)}:{port}", proc, log_path)
         if wait_healthy(server, timeout_s):
             return server
         server.stop()

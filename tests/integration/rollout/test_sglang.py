@@ -233,9 +233,10 @@ def test_cpu_main_job_against_sglang(sglang, model_dir, tmp_path):
 
 def test_colocated_cpu_main_job_against_sglang(sglang, model_dir, tmp_path):
     """placement.colocate=true with the server as the colocated engine: every iteration
-    releases its memory after the rollout (SGLang on CPU accepts and frees nothing: its
-    memory saver is CUDA-only), resumes it and hands the weights over as shared-memory
-    tensor handles (/update_weights_from_tensor); the next rollout then serves them."""
+    asks it to release its memory after the rollout, resumes it and hands the weights over
+    as shared-memory tensor handles (/update_weights_from_tensor); the next rollout then
+    serves them. SGLang on CPU accepts the release and frees nothing (its memory saver is
+    CUDA-only, and /server_info says it is off), so `engine/memory_released` is 0."""
     server = sglang(1)
     load_from_disk(server, model_dir)
     history = run_on_ranks(_train, 1, [f"run_dir={tmp_path / 'run'}", f"model_dir={model_dir}",
@@ -245,7 +246,7 @@ def test_colocated_cpu_main_job_against_sglang(sglang, model_dir, tmp_path):
                            timeout_s=600)[0]
     assert [row["iteration"] for row in history] == [0, 1, 2]
     for row in history:
-        assert row["engine/memory_released"] == 1.0  # released after the rollout, resumed by the sync
+        assert row["engine/memory_released"] == 0.0  # the release frees nothing on CPU (the calls are made)
         assert row["weight_sync/bytes"] > 0
         assert row["check/rollout_logprob_max_abs_diff"] < 1e-4, row
 
