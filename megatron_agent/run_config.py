@@ -252,8 +252,8 @@ def validate_quantized_rollout(run: RunConfig) -> None:
     engine_tp = max(1, run.engine.gpus_per_engine)
     problems = sglang_fp8_problems(hf, engine_tp, engine_ep=_server_arg(run.engine.server_args, "--ep-size", 1))
     if problems:
-        raise ConfigError(f"weight_sync.quantize=fp8: SGLang cannot build 128x128 block-FP8 layers for this model "
-                          f"at engine TP {engine_tp} (engine.gpus_per_engine): {'; '.join(problems)}")
+        raise ConfigError(f"weight_sync.quantize=fp8: SGLang cannot serve this model with 128x128 block-FP8 "
+                          f"weights at engine TP {engine_tp} (engine.gpus_per_engine): {'; '.join(problems)}")
 
 
 def validate_images_reach_the_model(run: RunConfig, hf: dict) -> None:

@@ -26,8 +26,11 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-# Transformer Engine's FP8 GEMMs want the token dimension in multiples of 16.
+# What FP8 GEMMs want the token dimension a multiple of, by recipe (megatron-core 0.16.1's
+# `get_fp8_align_size`, fp8_utils.py: 32 for MXFP8's 1x32 scaling blocks, 16 otherwise).
 FP8_ALIGNMENT = 16
+MXFP8_ALIGNMENT = 32
+DEFAULT_FP8_RECIPE = "delayed"  # TransformerConfig.fp8_recipe's default
 
 
 @dataclass
@@ -293,11 +296,18 @@ def gather_rows(rows: torch.Tensor, batch: TrainBatch) -> torch.Tensor | None:
     return whole
 
 
-def sequence_multiple(*, tp: int = 1, sequence_parallel: bool = False, fp8: bool = False, cp: int = 1) -> int:
+def fp8_alignment(recipe: str) -> int:
+    """The token multiple FP8 GEMMs want under `recipe` (a name of
+    models/transformer_config.FP8_RECIPES)."""
+    return MXFP8_ALIGNMENT if recipe == "mxfp8" else FP8_ALIGNMENT
+
+
+def sequence_multiple(*, tp: int = 1, sequence_parallel: bool = False, fp8: bool = False,
+                      fp8_recipe: str = DEFAULT_FP8_RECIPE, cp: int = 1) -> int:
     """What the sequence length of a micro-batch (its input columns) must be a multiple of.
 
     - sequence parallelism cuts the sequence into `tp` equal slices, one per TP rank;
-    - FP8 GEMMs (Transformer Engine) want multiples of 16 tokens;
+    - FP8 GEMMs want multiples of `fp8_alignment(fp8_recipe)` tokens (16; 32 for mxfp8);
     - context parallelism cuts it into 2*cp chunks (each CP rank takes two, for causal
       load balance).
     When several apply, their least common multiple; 1 when none does.
@@ -306,7 +316,7 @@ def sequence_multiple(*, tp: int = 1, sequence_parallel: bool = False, fp8: bool
     if sequence_parallel and tp > 1:
         multiple = math.lcm(multiple, tp)
     if fp8:
-        multiple = math.lcm(multiple, FP8_ALIGNMENT)
+        multiple = math.lcm(multiple, fp8_alignment(fp8_recipe))
     if cp > 1:
         multiple = math.lcm(multiple, 2 * cp)
     return multiple

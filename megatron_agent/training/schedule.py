@@ -63,12 +63,14 @@ def language_model_loss(micro_batch: MicroBatch, token_losses: torch.Tensor):
 
 
 def layout_multiple(chunks: list) -> int:
-    """The sequence multiple (`batch.sequence_multiple`) of the model's layout."""
+    """The sequence multiple (`batch.sequence_multiple`) of the model's layout and FP8 recipe."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunks[0])
     return sequence_multiple(tp=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
-                             fp8=config.fp8 is not None, cp=config.context_parallel_size)
+                             fp8=config.fp8 is not None,
+                             fp8_recipe=config.fp8_recipe,
+                             cp=config.context_parallel_size)
 
 
 def pad_model_inputs(micro_batch: MicroBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

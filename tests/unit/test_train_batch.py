@@ -109,7 +109,8 @@ def test_layout_multiple_reads_the_model_config():
     from megatron_agent.training.schedule import layout_multiple
 
     def model(**config):
-        fields = dict(tensor_model_parallel_size=1, sequence_parallel=False, fp8=None, context_parallel_size=1)
+        fields = dict(tensor_model_parallel_size=1, sequence_parallel=False, fp8=None, fp8_recipe="delayed",
+                      context_parallel_size=1)
         return SimpleNamespace(config=SimpleNamespace(**{**fields, **config}))
 
     assert layout_multiple([model()]) == 1
