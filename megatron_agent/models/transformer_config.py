@@ -119,6 +119,17 @@ def validate_layout_for_model(hf: dict, parallel: ParallelConfig, *, training: b
             f"{first_chunk} of the {hf['num_hidden_layers']} layers: use fewer pipeline stages or virtual chunks")
 
 
+def swiglu_fusion_default() -> bool:
+    """Megatron's fused SwiGLU (TransformerConfig.bias_activation_fusion; fusions/
+    fused_bias_swiglu.py) on a GPU: its autograd function keeps only the MLP's fc1 output
+    for backward, where the unfused silu(gate) * (up + 0) also keeps silu(gate), up + 0 and
+    their product (5 x the MLP width per token with fc2's input instead of 3; models/memory.py).
+    Its forward is the same arithmetic; its backward rounds in another order, so the CPU
+    keeps the unfused path and the numbers its tests compare. On a GPU the kernel is
+    torch.compile'd (megatron/core/jit.py); on the CPU it would run eagerly."""
+    return torch.cuda.is_available()
+
+
 def transformer_config_from_hf(
     hf: dict,
     parallel: ParallelConfig,
@@ -130,8 +141,10 @@ def transformer_config_from_hf(
     moe_token_dispatcher: str = "alltoall",
     training: bool = True,
     init_weights: bool = True,
+    fused_swiglu: bool | None = None,
 ):
-    """The Megatron TransformerConfig that computes what the HF model computes."""
+    """The Megatron TransformerConfig that computes what the HF model computes.
+    `fused_swiglu`: None takes `swiglu_fusion_default()`."""
     from megatron.core.transformer import TransformerConfig
 
     family = family_of(hf)
@@ -163,8 +176,8 @@ def transformer_config_from_hf(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=hf.get("initializer_range", 0.02),
+        bias_activation_fusion=swiglu_fusion_default() if fused_swiglu is None else fused_swiglu,
         # Fusions below need apex or Transformer Engine kernels; the unfused paths are exact.
-        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

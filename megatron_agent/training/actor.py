@@ -39,7 +39,7 @@ from megatron_agent.platform.collectives import all_reduce, broadcast
 from megatron_agent.platform.distributed import control_group
 from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.batch import TrainBatch, micro_batch_images, micro_batches_by_tokens
-from megatron_agent.training.logprobs import token_entropy, token_logprobs
+from megatron_agent.training.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_agent.training.schedule import (
     attach_grad_finalization,
     layout_multiple,
@@ -235,8 +235,10 @@ class Actor:
         logprobs, entropy = {}, {}
 
         def keep(mb, logits):
-            lp = token_logprobs(logits, mb["targets"], batch.temperature)
-            ent = token_entropy(logits, batch.temperature) if with_entropy else None
+            if with_entropy:
+                lp, ent = token_logprobs_and_entropy(logits, mb["targets"], batch.temperature)
+            else:
+                lp, ent = token_logprobs(logits, mb["targets"], batch.temperature), None
             for k, i in enumerate(mb["index"].tolist()):
                 logprobs[i] = lp[k].detach().cpu()
                 if ent is not None:
@@ -298,8 +300,7 @@ class Actor:
 
     def _loss(self, batch: TrainBatch, mb: dict, logits: torch.Tensor, denominator: float):
         """The policy loss of one micro-batch, normalised by the mini-batch's global count."""
-        logprobs = token_logprobs(logits, mb["targets"], batch.temperature)
-        entropy = token_entropy(logits, batch.temperature)
+        logprobs, entropy = token_logprobs_and_entropy(logits, mb["targets"], batch.temperature)
         old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()  # on-policy: ratio 1
         loss, metrics = actor_loss(
             self.algorithm, logprobs, old, mb["advantages"], mb["response_mask"],
