@@ -118,12 +118,28 @@ def build_model(
             )
         if not init_weights:
             mark_tensor_parallel_weights(model)
+        norms_to_params_dtype(model, params_dtype)
         if model.post_process:
             mask_padded_vocab(model, hf["vocab_size"])
         if torch.cuda.is_available() and not meta:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def norms_to_params_dtype(model, params_dtype: torch.dtype) -> None:
+    """Give torch norm modules the model's parameter dtype.
+
+    The local layer spec builds its norms as torch modules (transformer/torch_norm.py) in
+    torch's default dtype, fp32, whatever `params_dtype` says; Megatron-LM casts the whole
+    model afterwards (Float16Module), which this project does not use. Left alone, a bf16
+    model trains fp32 norm weights that a bf16 engine rounds, so the weight sync's
+    checksum check fails on every norm after the first update. Transformer Engine's norms
+    take `params_dtype` already.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm | torch.nn.LayerNorm):
+            module.to(params_dtype)
 
 
 def mark_tensor_parallel_weights(model) -> None:
