@@ -1,4 +1,7 @@
 """The embedded CPU engine's core, without HTTP (`rollout/engine_server.py` serves it).
+`device="cuda"` puts the model and its batches on a GPU instead (the GPU checks' colocated
+engine: it takes weights by CUDA IPC handles or from disk; the broadcast receive path
+allocates on the host, gloo only).
 
 Generation: requests that arrive while a batch runs are queued and batched together (up
 to `max_batch_size`); a batch is left-padded, prefilled once, then decoded token by token
@@ -147,11 +150,13 @@ class Engine:
     ranks = 1  # weight-update group ranks it joins as (engine_ranks.RankedEngine: more)
     max_new_tokens_cap: int | None = None  # per request, beside the model's context; the server sets it
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256):
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
+                 device: str = "cpu"):
         from transformers import AutoTokenizer
 
         self.model_path = model_path
         self.dtype = dtype_from_name(dtype)
+        self.device = torch.device(device)  # of the model and its batches
         self.released: set[str] = set()  # memory tags released (engine_memory.py)
         self.vision = is_vision_model(model_path)
         self.model, self.fp8 = self._load_model(model_path)
@@ -194,9 +199,10 @@ class Engine:
         block = fp8_block_size(getattr(config, "quantization_config", None))
         fp8 = Fp8Pairs(block or DEFAULT_BLOCK)
         if block is None:
-            return self._model_class().from_pretrained(model_path, dtype=self.dtype).eval(), fp8
+            model = self._model_class().from_pretrained(model_path, dtype=self.dtype)
+            return model.to(self.device).eval(), fp8
         del config.quantization_config
-        model = self._model_class().from_config(config, dtype=self.dtype).eval()
+        model = self._model_class().from_config(config, dtype=self.dtype).to(self.device).eval()
         try:
             model.generation_config = GenerationConfig.from_pretrained(model_path)
         except OSError:  # no generation_config.json: the model config's
@@ -347,6 +353,9 @@ class Engine:
         extra = {}
         if self.vision:
             positions, extra = self._vision_inputs(batch, width)
+        device = self.device
+        ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+        extra = {k: v.to(device) for k, v in extra.items()}
         cache = DynamicCache()
         active = list(range(len(rows)))  # rows still decoding, in cache order
         for row in rows:
@@ -357,13 +366,13 @@ class Engine:
                                 logits_to_keep=1, **extra, **{self.cache_kw: cache}).logits[:, -1, :].float()
         # the next token's position: the row's largest so far + 1 (after an image, more than its length)
         next_pos = (positions.amax(dim=(0, 2)) if self.vision else positions[:, -1]) + 1
-        temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
-        top_k = torch.tensor([r.top_k for r in rows], dtype=torch.long)
-        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
+        temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
+        top_k = torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device)
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device)
         while True:
-            index = torch.tensor(active)
+            index = torch.tensor(active, device=device)
             picked, logprobs = sample_tokens(logits, temperature[index], top_k[index], top_p[index], token_uniforms(
-                [rows[i].seed for i in active], [len(rows[i].out_ids) for i in active]))
+                [rows[i].seed for i in active], [len(rows[i].out_ids) for i in active]).to(device))
             picked, logprobs = picked.tolist(), logprobs.tolist()
             tokens = []
             for j, i in enumerate(active):
@@ -385,18 +394,18 @@ class Engine:
                     self._finish(rows[active[j]], rows[active[j]].req)
                 return
             if len(keep) < len(active):
-                index = torch.tensor(keep)
+                index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 mask, next_pos = mask[index], next_pos[index]
                 tokens = [tokens[j] for j in keep]
                 active = [active[j] for j in keep]
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long, device=device)], dim=1)
             step_positions = next_pos.unsqueeze(1)
             if self.vision:  # the three mrope axes alike, as for any text token
                 step_positions = step_positions.unsqueeze(0).expand(3, -1, -1)
             with self.model_lock:
-                logits = self.model(input_ids=torch.tensor(tokens).unsqueeze(1), attention_mask=mask,
-                                    position_ids=step_positions, use_cache=True,
+                logits = self.model(input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
+                                    attention_mask=mask, position_ids=step_positions, use_cache=True,
                                     **{self.cache_kw: cache}).logits[:, -1, :].float()
             next_pos = next_pos + 1
 
@@ -452,6 +461,8 @@ class Engine:
             if "weights" in tags and "weights" not in self.released:
                 self.freed = free_parameters(self.model)
             self.released |= set(tags)
+            if self.device.type == "cuda":  # back to the driver, for the colocated trainer
+                torch.cuda.empty_cache()
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         """Allocate the memory of `tags` again (None: all); resumed weights are zeros

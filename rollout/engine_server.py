@@ -1,6 +1,6 @@
 """The embedded engine behind SGLang's HTTP protocol (the subset we use).
 
-    python -m rollout.engine_server --model DIR --port 30000 [--host 127.0.0.1]
+    python -m rollout.engine_server --model DIR --port 30000 [--host 127.0.0.1] [--device cuda]
 
 Endpoints (`ROUTES`; each answers GET and POST alike, a GET with an empty body):
 /generate, /health, /health_generate, /model_info (/get_model_info), /weight_version
@@ -252,7 +252,8 @@ def _server_info(engine: Engine, body: dict) -> dict:
     """SGLang's /get_server_info, the fields we have: `tp_size` is the number of ranks the
     engine joins a weight-update group with."""
     return {**engine.model_info(), "tp_size": engine.ranks, "pp_size": 1, "dp_size": 1,
-            "max_running_requests": engine.max_batch_size, "dtype": str(engine.dtype).removeprefix("torch.")}
+            "max_running_requests": engine.max_batch_size, "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device)}  # not in SGLang: where the model runs
 
 
 def _update_weight_version(engine: Engine, body: dict) -> dict:
@@ -406,15 +407,17 @@ def make_handler(engine: Engine, token: str | None, *, allowed_weight_dirs: Sequ
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, *, token: str | None = None,
           threads: int = 1, max_batch_size: int = 256, dtype: str = "float32", ranks: int = 1,
-          allowed_weight_dirs: Sequence[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS) -> None:
+          device: str = "cpu", allowed_weight_dirs: Sequence[str] | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS) -> None:
     try:  # before anything loads
         require_token(host, token, "the embedded engine")
     except InsecureBind as e:
         raise SystemExit(f"rollout.engine_server: error: {e}") from None
+    if device != "cpu" and ranks != 1:
+        raise SystemExit(f"rollout.engine_server: error: --device {device} runs one rank (--ranks 1)")
     torch.set_num_threads(threads)
     if ranks == 1:
-        engine = Engine(model, dtype=dtype, max_batch_size=max_batch_size)
+        engine = Engine(model, dtype=dtype, max_batch_size=max_batch_size, device=device)
     else:  # a rank process that dies takes the server down, as a TP worker's death does SGLang's
         engine = RankedEngine(model, ranks=ranks, dtype=dtype, max_batch_size=max_batch_size, threads=threads,
                               on_rank_death=lambda why: os._exit(1))
@@ -442,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--ranks", type=int, default=1, help="weight-update ranks (replicas), like SGLang's --tp-size")
+    ap.add_argument("--device", default="cpu", help="where the model runs: cpu, or cuda[:N] (one rank)")
     ap.add_argument("--allowed-weight-dirs", nargs="+", metavar="DIR",
                     help="where /update_weights_from_disk may load from without the token (default: --model)")
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies answer 413")
@@ -450,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(args.model, args.host, args.port, token=args.auth_token, threads=args.threads,
-          max_batch_size=args.max_batch_size, dtype=args.dtype, ranks=args.ranks,
+          max_batch_size=args.max_batch_size, dtype=args.dtype, ranks=args.ranks, device=args.device,
           allowed_weight_dirs=args.allowed_weight_dirs, max_body_bytes=args.max_body_bytes,
           max_new_tokens=args.max_new_tokens)
 
