@@ -8,8 +8,11 @@ to `max_batch_size`); a batch is left-padded, prefilled once, then decoded token
 with a KV cache; finished rows are dropped from the cache as they finish. Logprobs: each
 output token's log-probability under the distribution it was sampled from,
 log_softmax(logits / temperature), *before* top-k / top-p truncation (greedy:
-log_softmax(logits)). Sampling is seedable per request (`SamplingParams.sampling_seed`).
-Invalid requests raise `BadRequest`.
+log_softmax(logits)). Sampling is seedable per request (`SamplingParams.sampling_seed`,
+any 64-bit integer). Invalid requests raise `BadRequest` (the HTTP layer checks each
+request's fields first: rollout/engine_requests.py). A batch that fails anyway is run
+again one request at a time, so a request that fails fails alone (`GenerationFailed`, its
+traceback logged) and the requests batched with it get their results.
 
 Vision-language models (config.json with a `vision_config`: transformers'
 AutoModelForImageTextToText and the model's image processor): a request may carry
@@ -27,7 +30,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import pickle
+import math
 import queue
 import threading
 import traceback
@@ -74,7 +77,19 @@ _ABORT_MESSAGE = "generation paused with mode=abort"
 
 
 class BadRequest(Exception):
-    pass
+    """An invalid request (HTTP 400). `field`: the request field at fault, when one is."""
+
+    def __init__(self, message, field: str | None = None):
+        super().__init__(str(message))
+        self.field = field
+
+    def __reduce__(self):  # across engine_ranks' pipes, with its field
+        return type(self), (str(self), self.field)
+
+
+class GenerationFailed(RuntimeError):
+    """A request failed inside the engine's batching worker (an engine fault, HTTP 500);
+    the traceback is in the engine's log, not in the message."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +104,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    sampling_seed: int | None = None  # None: a fresh random seed
+    sampling_seed: int | None = None  # None: a fresh random seed; any integer, taken modulo 2**64
 
 
 @dataclass
@@ -125,7 +140,7 @@ class Request:
     positions: torch.Tensor | None = None  # a vision-language model's mrope positions [3, len]
     done: threading.Event = field(default_factory=threading.Event)
     result: Completion | None = None
-    error: str | None = None  # the worker's traceback when the batch failed
+    error: str | None = None  # why it failed inside the worker (no traceback: that is logged)
 
 
 @dataclass
@@ -160,6 +175,9 @@ class Engine:
         self.released: set[str] = set()  # memory tags released (engine_memory.py)
         self.vision = is_vision_model(model_path)
         self.model, self.fp8 = self._load_model(model_path)
+        # the most a weight-update bucket that does not fit may announce and still be received
+        # (so its sender never hangs): the model's own size
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.image_processor = load_image_processor(model_path) if self.vision else None
         self.image_pad_id = int(self.model.config.image_token_id) if self.vision else None
@@ -278,7 +296,7 @@ class Engine:
         for req in reqs:
             req.done.wait()
             if req.error is not None:
-                raise RuntimeError(req.error)
+                raise GenerationFailed(req.error)
         return [req.result for req in reqs]
 
     def health_generate(self) -> None:
@@ -295,16 +313,27 @@ class Engine:
                     break
             try:
                 self.batch_running = True
-                self._run_batch(batch)
-            except Exception:
-                err = traceback.format_exc()
-                log.error("generation failed:\n%s", err)
-                for r in batch:
-                    if not r.done.is_set():
-                        r.error = err
-                        r.done.set()
+                self._run_isolated(batch)
             finally:
                 self.batch_running = False
+
+    def _run_isolated(self, batch: list[Request]) -> None:
+        """Run a batch; when it fails, run each of its unfinished requests alone: a request
+        that fails alone fails (`Request.error`), the others get their results."""
+        try:
+            self._run_batch(batch)
+            return
+        except Exception as err:
+            log.error("a batch of %d request(s) failed (%s):\n%s", len(batch),
+                      ", ".join(r.rid for r in batch[:8]), traceback.format_exc())
+            why = type(err).__name__
+        for req in [r for r in batch if not r.done.is_set()]:
+            if len(batch) > 1:
+                self._run_isolated([req])
+            else:
+                req.error = (f"request {req.rid} failed inside the engine ({why}); the engine's log has the "
+                             "traceback")
+                req.done.set()
 
     def _wait_unpaused(self, epoch: int) -> bool:
         """Block while paused; True when the batch (started at `epoch`) is to be aborted."""
@@ -315,7 +344,7 @@ class Engine:
 
     def _make_row(self, req: Request) -> _Row:
         p = req.params
-        seed = p.sampling_seed if p.sampling_seed is not None else int(torch.randint(0, 2**62, (1,)))
+        seed = p.sampling_seed % 2**64 if p.sampling_seed is not None else int(torch.randint(0, 2**62, (1,)))
         stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
             stop_ids |= self.eos_ids
@@ -523,7 +552,10 @@ class Engine:
         pg = self.groups.get(group_name)
         if pg is None:
             raise BadRequest(f"no weight update group {group_name!r}")
-        torch_dtypes = [dtype_from_name(d) for d in dtypes]
+        try:
+            torch_dtypes = [dtype_from_name(d) for d in dtypes]
+        except ValueError as err:
+            raise BadRequest(str(err), "dtypes") from None
         if not (len(names) == len(shapes) == len(torch_dtypes)):
             raise BadRequest("names, dtypes and shapes differ in length")
         if load_format not in (None, "direct", "flattened_bucket"):
@@ -533,7 +565,9 @@ class Engine:
             views = self._weight_views(names, keep_vars=True)
             problem = self._load_problem(names, views, shapes)
             if problem:
-                receive_tensors(pg, torch_dtypes, shapes, flattened=flattened)  # so the sender never hangs
+                announced = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, torch_dtypes))
+                if announced <= self.weight_bytes:  # so the sender never hangs; a larger one is no bucket of ours
+                    receive_tensors(pg, torch_dtypes, shapes, flattened=flattened)
                 raise BadRequest(problem)
             if self.fp8.carries_fp8(names, torch_dtypes):  # dequantized on the way in
                 self._copy_in(list(zip(names, receive_tensors(pg, torch_dtypes, shapes, flattened=flattened))),
@@ -555,9 +589,10 @@ class Engine:
         if not serialized_named_tensors:
             raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)")
         try:
-            named = deserialize_named_tensors(serialized_named_tensors[0], load_format)
-        except (ValueError, TypeError, KeyError, pickle.UnpicklingError) as err:
-            raise BadRequest(f"serialized_named_tensors: {type(err).__name__}: {err}") from None
+            named = _named_tensors(deserialize_named_tensors(serialized_named_tensors[0], load_format))
+        except Exception as err:  # what the entry holds is the request's: no failure of it is the engine's
+            raise BadRequest(f"serialized_named_tensors: {type(err).__name__}: {_clip(err)}",
+                             "serialized_named_tensors") from None
         self.load_weights(named)  # copies out of the sender's memory
         if weight_version is not None:
             self.weight_version = weight_version
@@ -565,12 +600,22 @@ class Engine:
     def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         if not self.in_update:
             raise BadRequest("update_weights_from_disk outside begin_weight_update/end_weight_update")
-        quantized = fp8_block_size(json.loads((Path(model_path) / "config.json").read_text()).get("quantization_config"))
-        if quantized or self.vision:  # a VLM's checkpoint names: vision_weight_view
-            self.load_weights(checkpoint_tensors(model_path))
-        else:
-            fresh = self._model_class().from_pretrained(model_path, dtype=self.dtype)
-            self.load_weights(list(fresh.state_dict().items()))
+        try:
+            config = json.loads((Path(model_path) / "config.json").read_text())
+        except (OSError, ValueError, RecursionError) as err:  # none, unreadable, not JSON, nested too deep
+            raise BadRequest(f"model_path {model_path} has no readable config.json ({type(err).__name__}: "
+                             f"{_clip(err)})", "model_path") from None
+        if not isinstance(config, dict):
+            raise BadRequest(f"model_path {model_path}: config.json is not a JSON object", "model_path")
+        try:
+            if fp8_block_size(config.get("quantization_config")) or self.vision:  # a VLM's names: vision_weight_view
+                named = checkpoint_tensors(model_path)
+            else:
+                named = list(self._model_class().from_pretrained(model_path, dtype=self.dtype).state_dict().items())
+        except Exception as err:  # the directory's content is the request's
+            raise BadRequest(f"the weights in {model_path} could not be loaded: {type(err).__name__}: {_clip(err)}",
+                             "model_path") from None
+        self.load_weights(named)
         self.model_path = model_path
         if weight_version is not None:
             self.weight_version = weight_version
@@ -644,6 +689,20 @@ class Engine:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
                 "is_generation": True, "weight_version": self.weight_version,
                 "engine": "megatron-agent-embedded", "memory_released": sorted(self.released)}
+
+
+def _named_tensors(named) -> list[tuple[str, torch.Tensor]]:
+    """What an update's entry unpickled to, checked: (name, real-valued tensor) pairs."""
+    named = list(named)
+    for i, (name, tensor) in enumerate(named):
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor) or tensor.is_complex():
+            raise TypeError(f"entry {i} is not a (name, real tensor) pair")
+    return named
+
+
+def _clip(err: BaseException, limit: int = 300) -> str:
+    text = str(err)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _make_aborted(req: Request) -> _Row:

@@ -19,10 +19,13 @@ continuously (SGLang) always has work and is never flooded. A call carries one r
 `requests_per_call` of those queued for the server (an engine that runs each call's
 prompts as one batch, the embedded engine: fewer, fuller batches and HTTP round trips).
 
-A server that fails a request (connection refused or reset, timeout, HTTP 5xx) is
-marked dead, logged with a warning naming it, and its requests are re-sent to the
-others; when none is left `NoEngineLeft` is raised. `check_health()` revives servers
-that answer /health again. HTTP 4xx (a bad request) raises `EngineError` at once.
+A server that fails a request (connection refused or reset, timeout, HTTP 5xx, or an
+answer that is not HTTP or not the protocol's: not JSON, nested past the parser, wrong
+lengths or types, a NaN or infinite logprob: rollout/engine_responses.py) is marked
+dead, logged with a warning naming it and the problem, and its requests are re-sent to
+the others; when none is left `NoEngineLeft` is raised (an `EngineError`: the run
+reports it, never a TypeError from deep inside). `check_health()` revives servers that
+answer /health again. HTTP 4xx (a bad request) raises `EngineError` at once.
 
 Images (vision-language models): a request may carry `image_data` (PNG data URLs, one
 per image pad of its ids: rollout/vision.py), sent as SGLang's per-request
@@ -36,9 +39,11 @@ failed, plus `"success": false` in a JSON answer.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
+import reprlib
 import threading
 import urllib.error
 import urllib.request
@@ -46,6 +51,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
+
+from rollout.engine_responses import GenerateOutput, MalformedAnswer, generate_outputs
 
 log = logging.getLogger("rollout.engine_client")
 
@@ -65,30 +72,22 @@ class _ServerFailed(Exception):
     pass
 
 
-@dataclass
-class GenerateOutput:
-    output_ids: list[int]
-    logprobs: list[float]  # one per output token
-    finish_reason: str  # "stop" | "length" | "abort"
-    text: str
-    weight_version: str
-    server: str
-
-
 def _decode(raw: bytes) -> object:
-    """A response body: parsed JSON, else its text (None when empty)."""
+    """A response body: parsed JSON, else its text (None when empty): a body that is not
+    UTF-8 or JSON, an integer past Python's 4300 digits, or nesting past the parser."""
     if not raw:
         return None
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return raw.decode(errors="replace")
 
 
 def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: float = 30.0,
               token: str | None = None) -> tuple[int, object]:
     """One HTTP call; (status, body): the JSON body parsed, or its text when it is not
-    JSON (SGLang answers some calls in plain text). Transport failures raise OSError."""
+    JSON (SGLang answers some calls in plain text). Transport failures raise OSError, an
+    answer that is not HTTP `http.client.HTTPException`."""
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -99,6 +98,26 @@ def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: flo
             return resp.status, _decode(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, _decode(e.read())
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 300, 300, 4, 8, 8
+
+
+def _shown(payload) -> str:
+    """An answer in a message: bounded in length and depth (an engine may send anything)."""
+    return payload[:300] if isinstance(payload, str) else _SHOWN.repr(payload)
+
+
+def _rank_count(url: str, info: dict, key: str) -> int:
+    """A server's `tp_size` or `pp_size` (1 when absent); EngineError for anything but a
+    positive integer."""
+    value = info.get(key)
+    if value is None:
+        return 1
+    if type(value) is not int or value < 1:
+        raise EngineError(f"{url} reports {key}={str(value)[:40]!r}, not a positive integer")
+    return value
 
 
 def _settle(done: Future, result=None, error: BaseException | None = None) -> None:
@@ -328,39 +347,27 @@ class EngineClient:
             body["image_data"] = [list(images or []) for images in image_data]
         status, payload = self._call(url, "/generate", body)
         if status >= 500:
-            raise _ServerFailed(f"HTTP {status}: {payload}")
+            raise _ServerFailed(f"HTTP {status}: {_shown(payload)}")
         if status != 200:
-            raise EngineError(f"{url}/generate answered HTTP {status}: {payload}")
-        if isinstance(payload, dict):  # one prompt: SGLang may answer with the object alone
-            payload = [payload]
-        if not isinstance(payload, list) or len(payload) != len(input_ids):
-            raise _ServerFailed(f"garbled /generate answer for {len(input_ids)} prompt(s): {str(payload)[:200]}")
-        outs = []
-        for k, item in enumerate(payload):
-            meta = item["meta_info"]
+            raise EngineError(f"{url}/generate answered HTTP {status}: {_shown(payload)}")
+        try:
+            answers = generate_outputs(payload, len(input_ids), url)
+        except MalformedAnswer as e:
+            raise _ServerFailed(f"malformed /generate answer for {len(input_ids)} prompt(s): {e}") from None
+        for k, (_, meta) in enumerate(answers):
             expected = prompt_tokens[k] if prompt_tokens else None
             if expected is not None and meta.get("prompt_tokens") != expected:
                 raise EngineError(
                     f"{url} counted {meta.get('prompt_tokens')} prompt tokens for request {k} of the call, but its "
                     f"expanded ids (each image pad repeated its image's token count) are {expected} tokens: the "
                     "server's image processor or chat template differs from the rollout's")
-            token_lps = meta.get("output_token_logprobs") or []
-            ids = list(item.get("output_ids") or [t for _, t, *_ in token_lps])
-            if len(token_lps) != len(ids):
-                raise EngineError(f"{url} returned {len(ids)} output ids but {len(token_lps)} logprobs")
-            finish = meta.get("finish_reason") or {}
-            outs.append(GenerateOutput(
-                output_ids=ids, logprobs=[float(t[0]) for t in token_lps],
-                finish_reason=finish.get("type", "") if isinstance(finish, dict) else str(finish),
-                text=item.get("text", ""), weight_version=str(meta.get("weight_version", "")), server=url,
-            ))
-        return outs
+        return [out for out, _ in answers]
 
     def _call(self, url: str, path: str, body: dict | None, timeout_s: float | None = None):
         try:
             return self.transport("GET" if body is None else "POST", url + path, body,
                                   timeout_s=timeout_s or self.timeout_s, token=self.token)
-        except (OSError, ValueError) as e:  # refused, reset, timed out, garbled
+        except (OSError, ValueError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled
             raise _ServerFailed(f"{type(e).__name__}: {e}") from None
 
     def _mark_dead(self, url: str, reason: str) -> None:
@@ -452,7 +459,7 @@ class EngineClient:
                 continue
             status, payload = outcome
             if status != 200 or (isinstance(payload, dict) and payload.get("success") is False):
-                errors.append(f"{u}{path}: HTTP {status}: {payload}")
+                errors.append(f"{u}{path}: HTTP {status}: {_shown(payload)}")
             out.append(payload)
         if errors:
             raise EngineError("; ".join(errors))
@@ -472,7 +479,7 @@ class EngineClient:
         ranks = {}
         for url, fut in futures.items():
             info = fut.result()
-            tp, pp = int(info.get("tp_size") or 1), int(info.get("pp_size") or 1)
+            tp, pp = _rank_count(url, info, "tp_size"), _rank_count(url, info, "pp_size")
             if pp > 1:
                 raise EngineError(f"{url} runs {pp} pipeline stages: its stages would join the weight-update "
                                   "group at the same ranks (rank_offset + tp_rank); serve with --pp-size 1")
@@ -488,7 +495,7 @@ class EngineClient:
             if status == 200 and isinstance(info, dict):
                 return info
             if status != 404:
-                raise EngineError(f"{url}{path} answered HTTP {status}: {str(info)[:200]}")
+                raise EngineError(f"{url}{path} answered HTTP {status}: {_shown(info)}")
         return {}
 
     def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,

@@ -24,8 +24,14 @@ prompt a list of "data:image/...;base64," strings, one per image pad of its inpu
 files, URLs and anything else answer 400. `meta_info.prompt_tokens` counts the expanded
 ids (each pad repeated its image's token count), as SGLang's does.
 
-Errors: 400 for a bad request (`BadRequest`, a body that is not JSON, a missing field,
-named), 404 for an unknown path, 500 with the exception for anything else.
+Requests (rollout/engine_requests.py): every endpoint parses its body with its schema
+before anything is queued or changed (SGLang 0.5.23's types, ranges and defaults; strict
+JSON types). Errors are JSON, `{"success": false, "error": ..., "message": ...,
+"field": ...}` (rollout/engine_http.py), never a traceback (that goes to the log): 400 for
+a bad request, naming the field; 404 for an unknown path; 405 (with `Allow: GET, POST`)
+for another method on a known one; 408 for a request not received within
+--request-timeout-s; 503 past --max-connections; 500 for an engine fault (a request that
+failed inside the batch, alone: the batch is run again without it; ranks that disagree).
 
 Guards (docs/security.md): bound to 127.0.0.1 by default; bound anywhere else it refuses
 to start without a token (--auth-token or MEGATRON_AGENT_ENGINE_TOKEN). With a token,
@@ -34,36 +40,61 @@ every weight-changing or control call (`CONTROL_PATHS`) must carry `Authorizatio
 directories under --allowed-weight-dirs (default: the model's directory), any other path
 only with the token (403 otherwise, nothing loaded). A body over --max-body-bytes answers
 413; max_new_tokens over --max-new-tokens or past the model's context, and input ids that
-are not integers within the vocabulary, answer 400.
+are not integers within the vocabulary, answer 400. A client has --request-timeout-s (60)
+to send a whole request, and at most --max-connections (512) are open at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import time
 import traceback
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from rollout.embedded_engine import DEFAULT_GROUP, BadRequest, Completion, Engine, SamplingParams
+from rollout.embedded_engine import BadRequest, Completion, Engine, GenerationFailed
 from rollout.engine_guard import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_NEW_TOKENS,
     InsecureBind,
     bearer_ok,
-    generation_problem,
     may_load_from,
     require_token,
     resolved_dirs,
 )
+from rollout.engine_http import (
+    ALLOWED_METHODS,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    EngineHTTPServer,
+    JsonRequestHandler,
+    Refused,
+    error_body,
+)
 from rollout.engine_memory import released_problem
-from rollout.engine_ranks import RankedEngine, rank_checksums
+from rollout.engine_ranks import RankedEngine, RanksDisagree, rank_checksums
+from rollout.engine_requests import (
+    GenerationLimits,
+    describe,
+    parse_continue,
+    parse_disk_update,
+    parse_distributed_update,
+    parse_flush_cache,
+    parse_generate,
+    parse_group_name,
+    parse_init_group,
+    parse_json_object,
+    parse_memory_tags,
+    parse_pause,
+    parse_selector,
+    parse_tensor_update,
+    parse_weight_version,
+    parse_weights_checksum,
+)
 
 log = logging.getLogger("rollout.engine_server")
 
@@ -77,26 +108,9 @@ CONTROL_PATHS = frozenset({
     "/update_weights_from_tensor", "/release_memory_occupation", "/resume_memory_occupation",
 })
 
-# A route's handler takes the engine and the parsed JSON body and returns the 200 answer.
+# A route's handler takes the engine and the parsed JSON body and returns the 200 answer;
+# each first parses its body with its schema (rollout/engine_requests.py).
 Handler = Callable[[Engine, dict], object]
-
-
-def parse_sampling_params(p: dict) -> SamplingParams:
-    """SGLang's `sampling_params` object -> SamplingParams (SGLang's defaults)."""
-    temperature = float(p.get("temperature", 1.0))
-    stop = p.get("stop") or []
-    seed = p.get("sampling_seed")
-    return SamplingParams(
-        temperature=temperature,
-        top_p=float(p.get("top_p", 1.0)),
-        top_k=int(p.get("top_k", -1) or -1),
-        max_new_tokens=int(p.get("max_new_tokens", 128)),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        stop_token_ids=tuple(map(int, p.get("stop_token_ids") or [])),
-        ignore_eos=bool(p.get("ignore_eos", False)),
-        skip_special_tokens=bool(p.get("skip_special_tokens", True)),
-        sampling_seed=int(seed) if seed is not None and temperature > 0 else None,  # greedy takes no seed
-    )
 
 
 def completion_json(c: Completion, return_logprob: bool) -> dict:
@@ -109,31 +123,28 @@ def completion_json(c: Completion, return_logprob: bool) -> dict:
     return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta}
 
 
+def generation_limits(engine: Engine) -> GenerationLimits:
+    return GenerationLimits(vocab_size=engine.model.get_input_embeddings().weight.shape[0],
+                            context_length=engine.context_length, max_new_tokens_cap=engine.max_new_tokens_cap)
+
+
 def generate(engine: Engine, body: dict):
     """SGLang's /generate: one prompt -> one object, a batch -> a list."""
-    input_ids = body.get("input_ids")
-    if input_ids is None:
-        raise BadRequest("the embedded engine takes input_ids (no text prompts)")
-    single = bool(input_ids) and isinstance(input_ids[0], int)
-    prompts = [input_ids] if single else input_ids
-    params = body.get("sampling_params") or {}
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    rids = body.get("rid")
-    rids = [rids] if isinstance(rids, str) else (rids or [f"req-{time.monotonic_ns()}-{i}" for i in range(len(prompts))])
-    if not (len(params) == len(rids) == len(prompts)):
-        raise BadRequest("input_ids, sampling_params and rid differ in length")
-    try:
-        sampling = [parse_sampling_params(p) for p in params]
-    except (AttributeError, TypeError, ValueError) as e:
-        raise BadRequest(f"bad sampling_params: {e}") from None
-    _check_prompts(engine, prompts, sampling)
-    images = _request_images(engine, prompts, body.get("image_data"), single)
+    released = released_problem(engine.released)  # first: released weights have no vocabulary to check against
+    if released:
+        raise BadRequest(released)
+    limits = generation_limits(engine)
+    req = parse_generate(body, limits)
+    images = _request_images(engine, req.prompts, req.image_data, req.single)
     if any(im is not None for im in images):  # the expanded prompts within the context too
-        _check_prompts(engine, [im.input_ids if im is not None else ids for ids, im in zip(prompts, images)],
-                       sampling)
-    completions = engine.generate(prompts, sampling, rids, images)
-    results = [completion_json(c, bool(body.get("return_logprob", False))) for c in completions]
-    return results[0] if single else results
+        try:
+            expanded = [len(ids) if im is None else len(im.input_ids) for ids, im in zip(req.prompts, images)]
+            req = replace(parse_generate(body, limits, expanded), rids=req.rids)
+        except BadRequest as err:
+            raise BadRequest(f"{err} (with each image pad expanded to its image's tokens)", err.field) from None
+    completions = engine.generate(req.prompts, req.sampling, req.rids, images)
+    results = [completion_json(c, lp) for c, lp in zip(completions, req.return_logprob)]
+    return results[0] if req.single else results
 
 
 def _request_images(engine: Engine, prompts: list, image_data, single: bool) -> list:
@@ -147,7 +158,7 @@ def _request_images(engine: Engine, prompts: list, image_data, single: bool) -> 
     if not isinstance(image_data, list) or len(image_data) != len(prompts):
         raise BadRequest(f"image_data must be a list with one entry per prompt ({len(prompts)}), each a list of "
                          f"'data:image/...;base64,' strings; got {type(image_data).__name__}"
-                         f"{f' of length {len(image_data)}' if isinstance(image_data, list) else ''}")
+                         f"{f' of length {len(image_data)}' if isinstance(image_data, list) else ''}", "image_data")
     out = []
     for i, (ids, items) in enumerate(zip(prompts, image_data)):
         if not items:
@@ -156,32 +167,17 @@ def _request_images(engine: Engine, prompts: list, image_data, single: bool) -> 
         try:
             out.append(engine.prepare_images(ids, items))
         except BadRequest as err:
-            raise BadRequest(err if len(prompts) == 1 else f"prompt {i}: {err}") from None
+            raise BadRequest(err if len(prompts) == 1 else f"prompt {i}: {err}", "image_data") from None
     return out
-
-
-def _check_prompts(engine: Engine, prompts: list, sampling: list[SamplingParams]) -> None:
-    """Every prompt, before any is queued (an engine with ranks deals them out): integer ids
-    within the vocabulary, max_new_tokens within the server's cap and the model's context;
-    none while the engine's memory is released."""
-    released = released_problem(engine.released)
-    if released:
-        raise BadRequest(released)
-    vocab = engine.model.get_input_embeddings().weight.shape[0]
-    context = engine.context_length
-    for i, (ids, sp) in enumerate(zip(prompts, sampling)):
-        problem = generation_problem(ids, sp.max_new_tokens, vocab_size=vocab, context_length=context,
-                                     max_new_tokens_cap=engine.max_new_tokens_cap)
-        if problem:
-            raise BadRequest(problem if len(prompts) == 1 else f"prompt {i}: {problem}")
-
-
-def _version(body: dict, key: str = "weight_version") -> str | None:
-    return None if body.get(key) is None else str(body[key])
 
 
 def _ok(**extra) -> dict:
     return {"success": True, "message": "ok", **extra}
+
+
+def _no_fields(engine: Engine, body: dict) -> dict:
+    """A read-only endpoint: no fields (unknown ones are ignored, as SGLang does)."""
+    return {}
 
 
 def _health_generate(engine: Engine, body: dict) -> dict:
@@ -190,18 +186,19 @@ def _health_generate(engine: Engine, body: dict) -> dict:
 
 
 def _init_group(engine: Engine, body: dict) -> dict:
-    engine.init_group(body["master_address"], int(body["master_port"]), int(body["world_size"]),
-                      rank_offset=int(body.get("rank_offset", 1)), group_name=body.get("group_name", DEFAULT_GROUP),
-                      backend=body.get("backend", "nccl"), timeout_s=float(body.get("timeout_s", 300)))
+    req = parse_init_group(body, engine.ranks)
+    engine.init_group(req.master_address, req.master_port, req.world_size, rank_offset=req.rank_offset,
+                      group_name=req.group_name, backend=req.backend, timeout_s=req.timeout_s)
     return _ok()
 
 
 def _destroy_group(engine: Engine, body: dict) -> dict:
-    engine.destroy_group(body.get("group_name", DEFAULT_GROUP))
+    engine.destroy_group(parse_group_name(body))
     return _ok()
 
 
 def _begin_update(engine: Engine, body: dict) -> dict:
+    parse_selector(body)
     engine.begin_weight_update()
     return _ok()
 
@@ -212,38 +209,38 @@ def _end_update(engine: Engine, body: dict) -> dict:
 
 
 def _update_from_distributed(engine: Engine, body: dict) -> dict:
-    names = list(body["names"])
-    shapes = [list(s) for s in body["shapes"]]
-    dtypes = list(body["dtypes"])
-    engine.update_from_distributed(names, dtypes, shapes, group_name=body.get("group_name", DEFAULT_GROUP),
-                                   load_format=body.get("load_format"), weight_version=_version(body))
+    req = parse_distributed_update(body)
+    engine.update_from_distributed(req.names, req.dtypes, req.shapes, group_name=req.group_name,
+                                   load_format=req.load_format, weight_version=req.weight_version)
     return _ok(weight_version=engine.weight_version)
 
 
 def _update_from_tensor(engine: Engine, body: dict) -> dict:
-    engine.update_from_tensor(list(body["serialized_named_tensors"]), load_format=body.get("load_format"),
-                              weight_version=_version(body))
+    req = parse_tensor_update(body)
+    engine.update_from_tensor(req.serialized_named_tensors, load_format=req.load_format,
+                              weight_version=req.weight_version)
     return _ok(weight_version=engine.weight_version)
 
 
 def _release_memory(engine: Engine, body: dict) -> dict:
-    engine.release_memory(body.get("tags"))
+    engine.release_memory(parse_memory_tags(body))
     return _ok()
 
 
 def _resume_memory(engine: Engine, body: dict) -> dict:
-    engine.resume_memory(body.get("tags"))
+    engine.resume_memory(parse_memory_tags(body))
     return _ok()
 
 
 def _update_from_disk(engine: Engine, body: dict) -> dict:
-    engine.update_from_disk(body["model_path"], _version(body))
+    req = parse_disk_update(body)
+    engine.update_from_disk(req.model_path, req.weight_version)
     return _ok(weight_version=engine.weight_version)
 
 
 def _weights_checksum(engine: Engine, body: dict) -> dict:
-    names = list(body["names"])
-    if body.get("per_rank"):
+    names, per_rank = parse_weights_checksum(body)
+    if per_rank:
         return {"rank_checksums": rank_checksums(engine, names)}
     return {"checksums": engine.weight_checksums(names)}  # RankedEngine: raises when its ranks disagree
 
@@ -257,23 +254,29 @@ def _server_info(engine: Engine, body: dict) -> dict:
 
 
 def _update_weight_version(engine: Engine, body: dict) -> dict:
-    engine.set_weight_version(str(body["new_version"]))
+    engine.set_weight_version(parse_weight_version(body))
     return _ok()
 
 
 def _pause(engine: Engine, body: dict) -> dict:
-    engine.pause(body.get("mode", "abort"))
+    engine.pause(parse_pause(body))
     return _ok()
 
 
 def _resume(engine: Engine, body: dict) -> dict:
+    parse_continue(body)
     engine.resume()
     return _ok()
 
 
+def _flush_cache(engine: Engine, body: dict) -> dict:
+    parse_flush_cache(body)
+    return _ok()  # no prefix cache is kept
+
+
 _HANDLERS: dict[str, Handler] = {
     "/generate": generate,
-    "/health": lambda engine, body: {},
+    "/health": _no_fields,
     "/health_generate": _health_generate,
     "/model_info": lambda engine, body: engine.model_info(),
     "/get_model_info": lambda engine, body: engine.model_info(),
@@ -294,81 +297,54 @@ _HANDLERS: dict[str, Handler] = {
     "/update_weight_version": _update_weight_version,
     "/pause_generation": _pause,
     "/continue_generation": _resume,
-    "/flush_cache": lambda engine, body: _ok(),  # no prefix cache is kept
+    "/flush_cache": _flush_cache,
 }
 # (method, path) -> handler. Every path answers GET and POST alike, as it always has.
-ROUTES: dict[tuple[str, str], Handler] = {(m, p): h for p, h in _HANDLERS.items() for m in ("GET", "POST")}
-
-
-class _Refused(Exception):
-    """A request answered with `code` before (or instead of) reading its body."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
+ROUTES: dict[tuple[str, str], Handler] = {(m, p): h for p, h in _HANDLERS.items() for m in ALLOWED_METHODS}
+# Engine faults whose messages are ours (no paths, no traceback): sent with the 500.
+_KNOWN_FAULTS = (GenerationFailed, RanksDisagree)
 
 
 def make_handler(engine: Engine, token: str | None, *, allowed_weight_dirs: Sequence[str] | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """The request handler class. `token`: when set, CONTROL_PATHS need it. Without it,
-    /update_weights_from_disk loads only under `allowed_weight_dirs` (default: the model's
-    directory). Bodies over `max_body_bytes` answer 413."""
+    """The request handler class (for an `EngineHTTPServer`). `token`: when set,
+    CONTROL_PATHS need it. Without it, /update_weights_from_disk loads only under
+    `allowed_weight_dirs` (default: the model's directory). Bodies over `max_body_bytes`
+    answer 413."""
     weight_dirs = resolved_dirs(allowed_weight_dirs if allowed_weight_dirs is not None else [engine.model_path])
 
-    def disk_path(body: dict, trusted: bool) -> str:
-        path = body["model_path"]
-        if not isinstance(path, str) or not path:
-            raise BadRequest("model_path must be a directory path")
-        if not trusted and not may_load_from(path, weight_dirs):
-            raise _Refused(403, f"model_path {path} is outside the directories this engine loads weights from "
-                                f"({', '.join(map(str, weight_dirs))}); start it with --allowed-weight-dirs, "
-                                "or send its token")
-        real = Path(path).expanduser().resolve()
-        if not real.is_dir():
-            raise BadRequest(f"model_path {path} is not a directory on the engine's machine")
+    def disk_path(path: str, trusted: bool) -> str:
+        try:
+            allowed = trusted or may_load_from(path, weight_dirs)
+            real = Path(path).expanduser().resolve()
+            is_dir = real.is_dir()
+        except (OSError, RuntimeError, ValueError) as err:  # a name too long, "~nobody", ...
+            raise BadRequest(f"model_path {describe(path)} is no usable path: {type(err).__name__}",
+                             "model_path") from None
+        if not allowed:
+            raise Refused(403, f"model_path {path} is outside the directories this engine loads weights from "
+                               f"({', '.join(map(str, weight_dirs))}); start it with --allowed-weight-dirs, "
+                               "or send its token", "model_path")
+        if not is_dir:
+            raise BadRequest(f"model_path {path} is not a directory on the engine's machine", "model_path")
         return str(real)
 
-    class RequestHandler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = 300  # seconds a client may stall mid-request before its connection is dropped
-
-        def log_message(self, fmt, *args):  # the default logs every request to stderr
-            log.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, code: int, payload, close: bool = False) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if close:  # the body was left unread: end the connection
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
+    class RequestHandler(JsonRequestHandler):
+        known_paths = frozenset(_HANDLERS)
 
         def _length(self) -> int:
             if "Transfer-Encoding" in self.headers:
-                raise _Refused(411, "send a Content-Length (chunked bodies are not read)")
+                raise Refused(411, "send a Content-Length (chunked bodies are not read)")
             try:
                 n = int(self.headers.get("Content-Length") or 0)
             except ValueError:
-                raise _Refused(400, "Content-Length is not a number") from None
+                raise Refused(400, "Content-Length is not a number") from None
             if n < 0:
-                raise _Refused(400, "Content-Length is negative")
+                raise Refused(400, "Content-Length is negative")
             if n > max_body_bytes:
-                raise _Refused(413, f"a body of {n} bytes is over this server's limit of {max_body_bytes} "
-                                    "(--max-body-bytes)")
+                raise Refused(413, f"a body of {n} bytes is over this server's limit of {max_body_bytes} "
+                                   "(--max-body-bytes)")
             return n
-
-        def _body(self, n: int) -> dict:
-            if not n:
-                return {}
-            try:
-                body = json.loads(self.rfile.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise BadRequest(f"body is not JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise BadRequest("body must be a JSON object")
-            return body
 
         def do_GET(self):
             self._dispatch("GET")
@@ -382,33 +358,47 @@ def make_handler(engine: Engine, token: str | None, *, allowed_weight_dirs: Sequ
                 n = self._length()
                 authorized = token is not None and bearer_ok(self.headers.get("Authorization"), token)
                 if token is not None and path in CONTROL_PATHS and not authorized:
-                    raise _Refused(401, "missing or wrong token")
-                if method == "GET":
-                    self.rfile.read(n)  # a GET's body is read and ignored
-                body = self._body(n) if method == "POST" else {}
+                    raise Refused(401, "missing or wrong token")
+                raw = self.read_body(n)  # a GET's body is read and ignored
                 handler = ROUTES.get((method, path))
                 if handler is None:
-                    return self._send(404, {"success": False, "message": f"no endpoint {path}"})
+                    return self.send_json(404, error_body(f"no endpoint {path}"))
+                body = parse_json_object(raw) if method == "POST" and raw else {}
                 if path == "/update_weights_from_disk":
-                    body = {**body, "model_path": disk_path(body, trusted=authorized)}
-                self._send(200, handler(engine, body))
-            except _Refused as e:
-                self._send(e.code, {"success": False, "message": str(e)}, close=True)
+                    body = {**body, "model_path": disk_path(parse_disk_update(body).model_path, trusted=authorized)}
+                self.send_json(200, handler(engine, body))
+            except Refused as e:
+                self.send_json(e.code, error_body(str(e), e.field), close=True)
             except BadRequest as e:
-                self._send(400, {"success": False, "message": str(e)})
-            except KeyError as e:
-                self._send(400, {"success": False, "message": f"missing field {e}"})
+                self.send_json(400, error_body(str(e), e.field))
+            except _KNOWN_FAULTS as e:
+                log.error("%s failed:\n%s", path, traceback.format_exc())
+                self.send_json(500, error_body(f"{type(e).__name__}: {e}"))
             except Exception as e:
                 log.error("%s failed:\n%s", path, traceback.format_exc())
-                self._send(500, {"success": False, "message": f"{type(e).__name__}: {e}"})
+                self.send_json(500, error_body(f"{path} failed inside the engine ({type(e).__name__}); the engine's "
+                                               "log has the traceback"))
 
     return RequestHandler
+
+
+def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
+                allowed_weight_dirs: Sequence[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                max_connections: int = DEFAULT_MAX_CONNECTIONS) -> EngineHTTPServer:
+    """`engine` behind its routes, bound to (host, port) (0: a free one), not yet serving
+    (`serve_forever`)."""
+    handler = make_handler(engine, token or None, allowed_weight_dirs=allowed_weight_dirs,
+                           max_body_bytes=max_body_bytes)
+    return EngineHTTPServer((host, port), handler, request_timeout_s=request_timeout_s,
+                            max_connections=max_connections)
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, *, token: str | None = None,
           threads: int = 1, max_batch_size: int = 256, dtype: str = "float32", ranks: int = 1,
           device: str = "cpu", allowed_weight_dirs: Sequence[str] | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS) -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
+          request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
     try:  # before anything loads
         require_token(host, token, "the embedded engine")
     except InsecureBind as e:
@@ -422,15 +412,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 30000, *, token: str 
         engine = RankedEngine(model, ranks=ranks, dtype=dtype, max_batch_size=max_batch_size, threads=threads,
                               on_rank_death=lambda why: os._exit(1))
     engine.max_new_tokens_cap = max_new_tokens
-    handler = make_handler(engine, token or None, allowed_weight_dirs=allowed_weight_dirs or [model],
-                           max_body_bytes=max_body_bytes)
-    server = ThreadingHTTPServer((host, port), handler, bind_and_activate=False)
-    # The asynchronous agent loop opens a connection per request, dozens at once: the
-    # default backlog (5) overflows into SYN cookies and resets.
-    server.request_queue_size = 1024
-    server.server_bind()
-    server.server_activate()
-    server.daemon_threads = True
+    server = make_server(engine, host, port, token=token, allowed_weight_dirs=allowed_weight_dirs or [model],
+                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s,
+                         max_connections=max_connections)
     log.info("embedded engine for %s on http://%s:%d", model, host, port)
     server.serve_forever()
 
@@ -451,12 +435,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies answer 413")
     ap.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                     help="the most max_new_tokens one request may ask (the model's context caps it too)")
+    ap.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                    help="seconds a client has to send a whole request (line, headers, body); 408 beyond")
+    ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                    help="connections open at once; more wait up to twice --request-timeout-s, then get 503")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(args.model, args.host, args.port, token=args.auth_token, threads=args.threads,
           max_batch_size=args.max_batch_size, dtype=args.dtype, ranks=args.ranks, device=args.device,
           allowed_weight_dirs=args.allowed_weight_dirs, max_body_bytes=args.max_body_bytes,
-          max_new_tokens=args.max_new_tokens)
+          max_new_tokens=args.max_new_tokens, request_timeout_s=args.request_timeout_s,
+          max_connections=args.max_connections)
 
 
 if __name__ == "__main__":

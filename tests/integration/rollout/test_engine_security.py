@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 from contextlib import contextmanager
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from rollout.engine_launch import (
     start_sglang_server,
     stop_engines,
 )
-from rollout.engine_server import CONTROL_PATHS, make_handler, serve
+from rollout.engine_server import CONTROL_PATHS, make_server, serve
 from rollout.processes import free_port
 
 WEIGHT = "model.embed_tokens.weight"
@@ -51,9 +50,8 @@ def engine(model_dir):
 
 @contextmanager
 def served(engine, *, host="127.0.0.1", token=None, **limits):
-    """The engine behind make_handler (serve's handler) on a free port; yields its URL."""
-    server = ThreadingHTTPServer((host, 0), make_handler(engine, token, **limits))
-    server.daemon_threads = True
+    """The engine behind make_server (serve's server) on a free port; yields its URL."""
+    server = make_server(engine, host, 0, token=token, **limits)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -274,7 +272,7 @@ def test_generation_lengths_and_token_ids_are_checked(engine, monkeypatch):
         cases = [
             (generate([5, 6], max_new_tokens=65), "max_new_tokens=65 is over this server's limit of 64"),
             (generate([5, 6], max_new_tokens=-1), "max_new_tokens=-1 must be an integer >= 0"),
-            (generate([5, 6], max_new_tokens="many"), "bad sampling_params"),
+            (generate([5, 6], max_new_tokens="many"), "max_new_tokens=string 'many' must be an integer >= 0"),
             (generate([5] * (context - 10), max_new_tokens=11),
              f"plus max_new_tokens=11 exceed the model's context of {context} tokens"),
             (generate([5, vocab]), f"input_ids out of range [0, {vocab})"),

@@ -1,12 +1,15 @@
 """The embedded engine's generation (in process, no HTTP): logprobs against a
-teacher-forced forward pass, seeding, stops, batching, weight loading."""
+teacher-forced forward pass, seeding, stops, batching, a request failing alone in its
+batch, weight loading."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-from rollout.embedded_engine import BadRequest, Engine
+from rollout.embedded_engine import BadRequest, Engine, GenerationFailed, SamplingParams
 from rollout.engine_server import generate
 from rollout.weight_group import flatten_bucket, unflatten_bucket
 
@@ -125,3 +128,47 @@ def test_one_rank_engine_reports_tp_size_1_and_its_checksums(engine):
     assert info["tp_size"] == 1 and info["pp_size"] == 1 and info["model_path"] == engine.model_path
     answer = ROUTES[("POST", "/weights_checksum")](engine, {"names": ["lm_head.weight"], "per_rank": True})
     assert answer["rank_checksums"] == [engine.weight_checksums(["lm_head.weight"])]
+
+
+def test_a_request_that_fails_inside_a_batch_fails_alone(engine, monkeypatch):
+    """A request that fails in the batching worker (a stop that is no string: the HTTP
+    schema refuses it, so it is built here past the schema) fails by itself, without its
+    traceback; the request batched with it gets the tokens it gets alone."""
+    p = prompts(engine)[1]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    alone = engine.generate([p], [greedy], ["alone"])[0]
+    sizes = []
+    real = engine._run_batch
+    monkeypatch.setattr(engine, "_run_batch", lambda batch: sizes.append(len(batch)) or real(batch))
+    engine.pause("in_place")
+    try:
+        engine.submit(p, greedy, "blocker")  # the worker takes it alone and waits for the resume
+        for _ in range(1000):  # taken from the queue after the last batch ended, and running
+            if engine.queue.empty() and engine.batch_running:
+                break
+            time.sleep(0.01)
+        assert engine.batch_running and engine.queue.empty()
+        good = engine.submit(p, greedy, "good")
+        bad = engine.submit(p, SamplingParams(temperature=0.0, max_new_tokens=4, stop=(1,)), "bad")
+    finally:
+        engine.resume()
+    assert good.done.wait(60) and bad.done.wait(60)
+    assert sizes[:2] == [1, 2]  # good and bad were one batch, which failed; then each ran alone
+    assert good.error is None and good.result.output_ids == alone.output_ids
+    assert bad.result is None and "request bad failed inside the engine (TypeError)" in bad.error
+    assert "Traceback" not in bad.error
+    with pytest.raises(GenerationFailed, match="failed inside the engine"):
+        engine.generate([p], [SamplingParams(max_new_tokens=2, stop=(1,))], ["bad-again"])
+
+
+def test_any_64_bit_seed_samples(engine):
+    """SGLang takes sampling_seed in [-2**63, 2**63 - 1]; the engine's per-token hash takes
+    it modulo 2**64 (a negative seed failed the whole batch before)."""
+    p = prompts(engine)[0]
+
+    def tokens(seed):
+        return engine.generate([p], [SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True,
+                                                    sampling_seed=seed)], [f"s{seed}"])[0].output_ids
+
+    assert tokens(-1) == tokens(2**64 - 1) != tokens(1)
+    assert len(tokens(-(2**63))) == len(tokens(2**63 - 1)) == 8

@@ -1,5 +1,5 @@
 """The SGLang-protocol client against fake servers: balancing, stickiness, failover,
-errors, and the weight-update calls fanned out to every server."""
+errors (malformed answers too), and the weight-update calls fanned out to every server."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class FakeServer:
         self.info: dict = {}
         self.info_paths: tuple[str, ...] = ("/server_info", "/get_server_info")
         self.replies: dict[str, object] = {}
+        self.raw: dict[str, bytes] = {}  # POST path -> bytes sent as they are (not even HTTP), then closed
         self.generate_delay_s = 0.0
         fake = self
 
@@ -58,6 +59,10 @@ class FakeServer:
                     return
                 if fake.mode == "bad":
                     return self._reply(400, {"message": "bad"})
+                if self.path in fake.raw:
+                    self.wfile.write(fake.raw[self.path])
+                    self.close_connection = True
+                    return
                 if self.path in fake.replies:
                     return self._reply(200, fake.replies[self.path])
                 if self.path != "/generate":
@@ -305,3 +310,73 @@ def test_a_refused_submitted_request_raises_at_once(servers):
     with pytest.raises(EngineError, match="HTTP 400"):
         client.submit([1, 2], {}).result(timeout=30)
     assert client.alive == [bad.url]
+
+
+def _answer(ids="[1]", logprobs="[[-0.5, 1, null]]", item=None) -> str:
+    return "[" + (item or f'{{"text": "x", "output_ids": {ids}, "meta_info": {{"output_token_logprobs": '
+                          f'{logprobs}, "finish_reason": {{"type": "length"}}}}}}') + "]"
+
+
+# /generate answers an engine might send, and what the client says of each
+MALFORMED = {
+    "oops": "malformed /generate answer for 1 prompt(s): str where 1 answer(s) were due",
+    "[" * 50_000: "str where 1 answer(s) were due",  # nested past the JSON parser: kept as text
+    _answer(logprobs="[[NaN, 1, null]]"): "logprob nan, not a finite number",
+    _answer(logprobs="[[-Infinity, 1, null]]"): "logprob -inf, not a finite number",
+    _answer(logprobs="[[null, 1, null]]"): "logprob None, not a finite number",
+    _answer(logprobs='[[-0.5, "1", null]]'): "token id is not a token id",
+    _answer(ids="[1, 2]"): "2 output ids but 1 logprobs",
+    _answer(ids="[2]"): "name other tokens than its output_ids",
+    _answer(ids='["1"]'): "output_ids[0] is not a token id",
+    _answer(ids="[-1]", logprobs="[[-0.5, 1, null]]"): "output_ids[0] is not a token id: -1",
+    _answer(logprobs="[0.5]"): "is not a [logprob, token_id, text] entry",
+    _answer(item="5"): "answer 0 is not an object",
+    _answer(item='{"text": "x", "output_ids": []}'): "has no meta_info object",
+    _answer() + _answer(): "malformed /generate answer",  # not JSON as a whole
+    "[" + _answer()[1:-1] + "," + _answer()[1:-1] + "]": "a list of 2 where 1 answer(s) were due",
+}
+
+
+@pytest.mark.parametrize("body", list(MALFORMED), ids=lambda b: b[:40])
+def test_a_malformed_answer_is_the_engine_s_fault_and_goes_elsewhere(servers, body, caplog):
+    """An engine that answers /generate with something that is not the protocol's (not
+    JSON, NaN or infinite logprobs, wrong lengths or types) is a failed server: marked
+    dead naming the problem, its requests re-sent; alone, a clear EngineError."""
+    broken, good = servers("ok", "ok")
+    broken.replies["/generate"] = body
+    client = EngineClient([broken.url, good.url])
+    with caplog.at_level(logging.WARNING, logger="rollout.engine_client"):
+        outs = client.generate([[1, 2]], {})
+    assert outs[0].output_ids == [2, 1] and outs[0].server == good.url
+    assert client.alive == [good.url]
+    assert client.dead_events[0][0] == broken.url and MALFORMED[body] in client.dead_events[0][1]
+    alone = EngineClient([broken.url], max_attempts=2)
+    with pytest.raises(EngineError, match="no rollout engine left|failed on 2 attempts") as err:
+        alone.generate([[1, 2]], {})
+    assert MALFORMED[body] in str(err.value)
+    submitted = EngineClient([broken.url, good.url])
+    assert submitted.submit([1, 2], {}).result(timeout=30).server == good.url
+    for c in (client, alone, submitted):
+        c.close()
+
+
+def test_an_answer_that_is_not_http_is_the_engine_s_fault(servers):
+    broken, good = servers("ok", "ok")
+    broken.raw["/generate"] = b"garbage\r\n\r\n"  # http.client: BadStatusLine, not an OSError
+    client = EngineClient([broken.url, good.url])
+    assert client.generate([[1, 2]], {})[0].server == good.url
+    assert client.dead_events[0][0] == broken.url and "BadStatusLine" in client.dead_events[0][1]
+    client.close()
+
+
+def test_a_server_that_reports_no_integer_ranks_is_an_engine_error(servers):
+    a, = servers("ok")
+    client = EngineClient([a.url])
+    for value in ("abc", 1.5, True, 0, None):
+        a.info = {"tp_size": value}
+        if value is None:
+            assert client.server_ranks() == {a.url: 1}
+            continue
+        with pytest.raises(EngineError, match="reports tp_size=.*not a positive integer"):
+            client.server_ranks()
+    client.close()
