@@ -73,3 +73,31 @@ def make_config(name: str, config: Any = None, **overrides: Any) -> Any:
 def make_env(name: str, config: Any = None, **overrides: Any) -> Env:
     spec = get_spec(name)
     return spec.env_cls(make_config(name, config, **overrides))
+
+
+# The share of the machine's available memory that env copies running as processes may
+# plan to take; the rest is the trainer's, the engines' and the env workers'.
+COPIES_MEMORY_SHARE = 0.75
+
+
+def memory_problem(env_config: Any, num_copies: int, available_bytes: int) -> str | None:
+    """Why `num_copies` copies of the env `env_config` configures would not fit in memory
+    (None: they fit, or the env declares no cost). An env whose copies are processes
+    declares what one costs with a `copy_memory_bytes()` method on its config (AppWorld:
+    one server process per copy); the copies may take COPIES_MEMORY_SHARE of
+    `available_bytes` (psutil.virtual_memory().available, before the run starts)."""
+    declared = getattr(env_config, "copy_memory_bytes", None)
+    if declared is None or num_copies < 1:
+        return None
+    per_copy = int(declared())
+    needed, budget = num_copies * per_copy, int(available_bytes * COPIES_MEMORY_SHARE)
+    if needed <= budget:
+        return None
+    name = next((s.name for s in _REGISTRY.values() if isinstance(env_config, s.config_cls)),
+                type(env_config).__name__)
+    fits = budget // per_copy if per_copy else num_copies
+    remedy = (f"at most {fits} fit: lower num_groups or group_size (and loop.validation.num_episodes when "
+              f"validating) so that they hold at most {fits} copies together" if fits else "not one fits: free memory first")
+    return (f"env={name}: {num_copies} env copies would take {needed / 2**30:.1f} GiB (one process of "
+            f"{per_copy / 2**20:.0f} MiB each), more than {COPIES_MEMORY_SHARE:.0%} of the "
+            f"{available_bytes / 2**30:.1f} GiB this machine has available; {remedy}")

@@ -2,6 +2,12 @@
 ways to run one (InlineWorker in this process, ProcessWorker in a spawned process,
 RayWorker as a Ray actor). A worker that dies or times out raises WorkerDied; the
 manager restarts it (see envs.manager for the failure handling).
+
+Nothing outlives the trainer: a worker process leads a process group of its own (its
+env copies' servers and simulators are in it) and ends that group when the process that
+started it is gone, however it died (SIGKILL, the kernel's OOM killer). It polls
+os.getppid() rather than asking for PR_SET_PDEATHSIG, which fires when the *thread* that
+started the worker ends: the manager restarts workers from the rollout's pool threads.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -21,6 +28,58 @@ class WorkerDied(Exception):
     pass
 
 
+PARENT_POLL_S = 0.2  # how often a worker process looks for its parent
+CLOSE_TIMEOUT_S = 10.0  # for a worker to close its copies (their servers) before it is killed
+
+
+def lead_own_process_group() -> bool:
+    """Make this process the leader of a new process group (what it starts joins it);
+    False where it cannot (a session leader)."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        return False
+    return True
+
+
+def end_worker() -> None:
+    """SIGKILL this worker and, when it leads its own process group, everything in it:
+    the servers and simulators its env copies started. Never the trainer's group."""
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+def parent_gone(parent_pid: int) -> bool:
+    """Whether `parent_pid` is no longer this process's parent: it died and this process
+    was handed to init or a subreaper."""
+    return os.getppid() != parent_pid
+
+
+def end_with_parent(parent_pid: int) -> None:
+    """A daemon thread that calls `end_worker` once `parent_pid` is gone (checked at once,
+    so a parent that died before this call counts too)."""
+
+    def watch() -> None:
+        while not parent_gone(parent_pid):
+            time.sleep(PARENT_POLL_S)
+        end_worker()
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
+def kill_worker(proc) -> None:
+    """SIGKILL worker process `proc` and its process group: what its copies started dies
+    with it. A pid is not reused while a process group of that id has members, so the group
+    holds only the worker's own; a worker not yet leading one is killed alone."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.exitcode is None:  # not reaped: the pid is still the worker's
+        proc.kill()
+
+
 def failed_info(error: str) -> dict:
     # The copy broke, not the model's text: is_action_valid stays True so the trainer
     # adds no invalid-action penalty; the agent loop drops episodes with failed=True.
@@ -30,22 +89,46 @@ def failed_info(error: str) -> dict:
 class EnvShard:
     """The env copies one worker owns. Runs inside the worker (or inline)."""
 
-    def __init__(self, env_cls: type, config: Any, indices: Sequence[int]):
+    def __init__(self, env_cls: type, config: Any, indices: Sequence[int], parent_pid: int | None = None):
         self.env_cls, self.config = env_cls, config
+        self.parent_pid = parent_pid  # a worker process's trainer: its copies stop when it is gone
         self.envs = {int(i): env_cls(config) for i in indices}
 
     def pid(self) -> int:
         return os.getpid()
 
+    def _stop_if_orphaned(self) -> None:
+        """Before each copy's reset, step or rebuild: a worker whose trainer is gone starts
+        nothing more (an env copy may start a server on reset or rebuild)."""
+        if self.parent_pid is not None and parent_gone(self.parent_pid):
+            end_worker()
+
+    def close(self) -> None:
+        """Close the copies that hold something (a server process): `close()` where an env has it."""
+        for env in self.envs.values():
+            close = getattr(env, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    pass
+
     def _rebuild(self, idx: int) -> None:
+        self._stop_if_orphaned()
         try:
-            self.envs[idx] = self.env_cls(self.config)
+            fresh = self.env_cls(self.config)
         except Exception:  # keep the old copy; its next reset reports any lasting fault
+            return
+        old, self.envs[idx] = self.envs[idx], fresh
+        try:
+            getattr(old, "close", lambda: None)()
+        except Exception:
             pass
 
     def reset(self, items: list[tuple[int, int]]) -> list[tuple[int, Observation | None, dict]]:
         out = []
         for idx, seed in items:
+            self._stop_if_orphaned()
             try:
                 obs = self.envs[idx].reset(seed)
                 out.append((idx, obs, make_info(True, False, failed=False)))
@@ -57,6 +140,7 @@ class EnvShard:
     def step(self, items: list[tuple[int, str]]) -> list[tuple[int, Observation | None, float, bool, dict]]:
         out = []
         for idx, text in items:
+            self._stop_if_orphaned()
             try:
                 obs, reward, done, info = self.envs[idx].step(text)
                 info.setdefault("failed", False)
@@ -67,22 +151,30 @@ class EnvShard:
         return out
 
 
-def worker_main(conn, env_cls, config, indices) -> None:
+def worker_main(conn, env_cls, config, indices, parent_pid: int | None) -> None:
+    """`parent_pid`: the trainer's pid (None under forkserver, where the parent is the fork
+    server, which exits with the trainer: this process's parent at start is taken)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes us
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    lead_own_process_group()
+    end_with_parent(parent_pid)
     try:
-        shard = EnvShard(env_cls, config, indices)
+        shard = EnvShard(env_cls, config, indices, parent_pid=parent_pid)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            cmd, payload = conn.recv()
-        except (EOFError, OSError):
-            return
-        if cmd == "close":
-            return
-        conn.send(getattr(shard, cmd)(payload))
+    try:
+        while True:
+            try:
+                cmd, payload = conn.recv()
+            except (EOFError, OSError):
+                return
+            if cmd == "close":
+                return
+            conn.send(getattr(shard, cmd)(payload))
+    finally:
+        shard.close()
 
 
 class InlineWorker:
@@ -102,7 +194,7 @@ class InlineWorker:
         pass
 
     def close(self):
-        pass
+        self.shard.close()
 
 
 class ProcessWorker:
@@ -116,11 +208,15 @@ class ProcessWorker:
 
     def _start(self):
         parent, child = self.ctx.Pipe(duplex=True)
-        self.proc = self.ctx.Process(target=worker_main, args=(child, *self.args), daemon=True)
+        self.proc = self.ctx.Process(target=worker_main, args=(child, *self.args, self._parent_pid()),
+                                     daemon=True)
         self.proc.start()
         child.close()
         self.conn = parent
         self.pid = None
+
+    def _parent_pid(self) -> int | None:
+        return None if self.ctx.get_start_method() == "forkserver" else os.getpid()
 
     def wait_ready(self):
         try:
@@ -138,7 +234,7 @@ class ProcessWorker:
             if not self.proc.is_alive() and not self.conn.poll(0):
                 raise WorkerDied(f"worker process {self.proc.pid} died (exit code {self.proc.exitcode})")
             if deadline is not None and time.monotonic() > deadline:
-                self.proc.kill()
+                kill_worker(self.proc)
                 raise WorkerDied(f"worker process {self.proc.pid} exceeded step_timeout_s={timeout_s}")
         try:
             return self.conn.recv()
@@ -170,9 +266,9 @@ class ProcessWorker:
                 self.conn.send(("close", None))
             except (BrokenPipeError, OSError):
                 pass
-            self.proc.join(2)
-        if self.proc.is_alive():
-            self.proc.kill()
+            self.proc.join(CLOSE_TIMEOUT_S)
+        if not graceful or self.proc.is_alive():
+            kill_worker(self.proc)
         self.proc.join(5)
         self.conn.close()
         self.proc = None

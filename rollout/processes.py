@@ -11,7 +11,10 @@ import sys
 def die_with_parent() -> None:
     """In a child process (a `preexec_fn`): be SIGKILLed when the thread that started it
     dies (Linux, PR_SET_PDEATHSIG), so a killed trainer leaves no engine behind. A no-op
-    elsewhere."""
+    elsewhere. The *thread*, not the process: start such a child from a thread that lives
+    as long as the process (the main thread); one started from a pool thread dies when
+    that thread ends (env workers and AppWorld servers watch their parent instead:
+    envs/workers.py, envs/appworld_server.py)."""
     if sys.platform.startswith("linux"):
         import ctypes
 

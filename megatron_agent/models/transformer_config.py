@@ -11,30 +11,97 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron_agent.models.families import UnsupportedModelError, family_of
+from megatron_agent.models.families import FAMILIES, UnsupportedModelError, family_of
 from megatron_agent.platform.parallel import ParallelConfig
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
 def read_hf_config(source: str | Path | dict) -> dict:
-    """An HF config as a dict, from a model directory, a config.json, or a dict.
+    """An HF config as a dict, from a model directory, a config.json, or a dict, read the
+    way transformers' model of its family reads it (`transformers_reading`).
 
     A vision-language config's `text_config` is lifted to the top level (transformers 5
     nests it, published checkpoints mostly do not), so the language model's fields are
     read alike for every family; `vision_config` stays as it is.
     """
     if isinstance(source, dict):
-        hf = dict(source)
+        raw = dict(source)
     else:
         path = Path(source)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no HF config at {path}")
-        hf = json.loads(path.read_text())
-    text = hf.pop("text_config", None)
-    return {**text, **hf} if text else hf
+        raw = json.loads(path.read_text())
+    rest = {k: v for k, v in raw.items() if k != "text_config"}
+    hf = {**raw["text_config"], **rest} if raw.get("text_config") else rest
+    if hf.get("model_type") not in FAMILIES:
+        return hf  # transformer_config_from_hf names the family as unsupported
+    return {**hf, **transformers_reading(raw)}
+
+
+def transformers_config(hf: dict):
+    """transformers' own config object for `hf` (as config.json holds it, or with its
+    text_config lifted): its defaults for missing keys, its conversions of older keys."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    if FAMILIES[hf["model_type"]].vision_tower and "text_config" not in fields:
+        text = {k: v for k, v in fields.items() if k != "vision_config"}
+        fields = {"text_config": text, "vision_config": fields.get("vision_config"),
+                  **{k: fields[k] for k in ("tie_word_embeddings",) if k in fields}}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # defaults it checks against this config (token ids past a tiny vocabulary)
+    try:
+        return AutoConfig.for_model(hf["model_type"], **fields)
+    except (StrictDataclassError, TypeError, ValueError, KeyError) as err:
+        raise UnsupportedModelError(f"transformers cannot read this {hf['model_type']} config: {err}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def transformers_reading(hf: dict) -> dict:
+    """The values transformers' model of this family takes from `hf`, for every key this
+    project reads: the config class's defaults where config.json has no such key (Qwen3's
+    head_dim is 128, not hidden / heads; Qwen2.5-VL's rope_theta 1e6, rms_norm_eps 1e-5),
+    and no value from a key the family's model does not read (Qwen2.5-VL's attention takes
+    hidden / heads whatever head_dim says; Llama has no sliding window). What each family
+    reads: models/families/ and docs/models.md."""
+    family = FAMILIES[hf["model_type"]]
+    config = transformers_config(hf)
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    values = {
+        "num_hidden_layers": text.num_hidden_layers,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": text.num_key_value_heads or heads,
+        "head_dim": family.head_dim(text),
+        "vocab_size": text.vocab_size,
+        "rms_norm_eps": text.rms_norm_eps,
+        "hidden_act": text.hidden_act,
+        "max_position_embeddings": text.max_position_embeddings,
+        "initializer_range": text.initializer_range,
+        "tie_word_embeddings": bool(config.tie_word_embeddings),  # what the top-level model ties on
+        "rope_parameters": dict(text.rope_parameters),
+        "attention_bias": bool(family.attention_bias and text.attention_bias),
+        "mlp_bias": bool(family.mlp_bias and text.mlp_bias),
+        "use_sliding_window": bool(family.sliding_window(text)),
+    }
+    if family.moe:
+        values.update(
+            num_experts=text.num_experts,
+            num_experts_per_tok=text.num_experts_per_tok,
+            moe_intermediate_size=text.moe_intermediate_size,
+            decoder_sparse_step=text.decoder_sparse_step,
+            mlp_only_layers=list(text.mlp_only_layers or []),
+            norm_topk_prob=bool(getattr(text, "norm_topk_prob", False)),
+        )
+    return values
 
 
 @dataclass(frozen=True)
@@ -149,6 +216,13 @@ def transformer_config_from_hf(
 
     family = family_of(hf)
     validate_layout_for_model(hf, parallel, training=training)
+    hf = read_hf_config(hf)
+    if hf["attention_bias"]:
+        raise UnsupportedModelError(
+            f"attention_bias=true: transformers' {family.name} then has a bias on o_proj as well as on q, k and v, "
+            "and Megatron-Core has no attention output bias without a bias on every linear layer")
+    if hf["mlp_bias"]:
+        raise UnsupportedModelError(f"mlp_bias=true ({family.name}: biases on gate, up and down) is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
     if hf.get("use_sliding_window"):
@@ -165,7 +239,7 @@ def transformer_config_from_hf(
         ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        kv_channels=hf["head_dim"],
         normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True,
@@ -232,6 +306,7 @@ def transformer_config_from_hf(
 
 
 def gpt_model_kwargs(hf: dict, parallel: ParallelConfig) -> dict:
+    hf = read_hf_config(hf)
     rope = rope_settings(hf)
     return dict(
         vocab_size=padded_vocab_size(hf["vocab_size"], parallel.tp),

@@ -43,13 +43,19 @@ class DistributedContext:
     data_parallel_size: int
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent_pid: int | None = None) -> None:
     """In a child process: be SIGKILLed when the thread that started it dies (Linux), so a
-    killed trainer leaves no engine or checkpoint writer behind. A no-op elsewhere."""
+    killed trainer leaves no engine, checkpoint writer or trainer rank behind. A no-op
+    elsewhere. The *thread*: start such children from one that lives as long as the
+    process (the main thread). `parent_pid`, the starter's pid: a child that checks in
+    late (a spawned process imports for seconds first) and finds it already gone dies
+    now, since the kernel only signals a death after the request."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ function calls `platform.init_distributed` as it would under torchrun.
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import queue
 import time
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from megatron_agent.platform.distributed import free_port
+from megatron_agent.platform.distributed import die_with_parent, free_port
 
 
 class RankFailed(RuntimeError):
@@ -26,6 +27,7 @@ class RankFailed(RuntimeError):
 
 
 def _rank_main(rank, world_size, port, threads, fn, args, kwargs, results):
+    die_with_parent(multiprocessing.parent_process().pid)  # a killed launcher leaves no rank behind
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

@@ -35,6 +35,49 @@ def _die_on_rank_one():
     time.sleep(30)
 
 
+def _sleep_with_pid_file(pid_dir):
+    import time
+    from pathlib import Path
+
+    Path(pid_dir, os.environ["RANK"]).write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+LAUNCHER = """
+import sys
+from megatron_agent.platform.launch import run_on_ranks
+from tests.unit.test_launch import _sleep_with_pid_file
+run_on_ranks(_sleep_with_pid_file, 2, sys.argv[1], timeout_s=600)
+"""
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL the process that called run_on_ranks (a CLI killed by the user or the OOM
+    killer): its ranks go too, instead of training on as orphans."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[2]
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], cwd=root)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.iterdir()]
+        assert len(pids) == 2, "the ranks did not start"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=10)
+        assert not alive, f"ranks outlived their launcher: {alive}"
+    finally:
+        launcher.kill()
+
+
 def test_results_by_rank():
     results = run_on_ranks(_all_reduce_rank, 2, timeout_s=60)
     assert results == [{"rank": 0, "world": 2, "sum": 3.0}, {"rank": 1, "world": 2, "sum": 3.0}]

@@ -30,8 +30,11 @@ def test_family_features(family, qkv_bias, qk_norm, moe):
     assert config.hidden_dropout == 0.0 and config.attention_dropout == 0.0
 
 
-def test_llama_attention_bias_follows_config():
-    assert transformer_config_from_hf(hf("llama", attention_bias=True), ParallelConfig()).add_qkv_bias
+def test_llama_attention_bias_is_refused():
+    """transformers' Llama puts `attention_bias` on o_proj too, which Megatron-Core cannot add
+    alone (add_bias_linear covers every linear): refused, not silently dropped."""
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
+        transformer_config_from_hf(hf("llama", attention_bias=True), ParallelConfig())
 
 
 def test_moe_router_matches_qwen_semantics():

@@ -47,14 +47,54 @@ class Rule:
 PREFIX = ".*"
 
 
+def head_dim_from_config(config) -> int:
+    """transformers' attention for most families: `config.head_dim` where the config has
+    one (a key of config.json, or the config class's default: 128 for Qwen3 and Qwen3-VL),
+    else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def head_dim_from_hidden(config) -> int:
+    """Qwen2.5-VL's text attention: hidden / heads, whatever head_dim config.json holds."""
+    return config.hidden_size // config.num_attention_heads
+
+
+def no_sliding_window(config) -> bool:
+    return False
+
+
+def sliding_window_layers(config) -> bool:
+    """Qwen2, Qwen2.5-VL, Qwen3: the layers `layer_types` marks "sliding_attention" slide
+    when the config keeps a `sliding_window` (its class drops it without use_sliding_window)."""
+    return getattr(config, "sliding_window", None) is not None and "sliding_attention" in (
+        getattr(config, "layer_types", None) or [])
+
+
+def sliding_window_everywhere(config) -> bool:
+    """Qwen3-MoE: every layer slides when the config keeps a `sliding_window`."""
+    return getattr(config, "sliding_window", None) is not None
+
+
 @dataclass(frozen=True)
 class Family:
+    """What sets a family apart, read off transformers' modeling code for it
+    (transformers/models/<family>/modeling_<family>.py): the keys its model takes from a
+    config and how; `transformer_config.read_hf_config` reads a config through it."""
+
     name: str
     qkv_bias: Callable[[dict], bool]
     qk_layernorm: bool
     moe: bool
     # The weight table for an HF config of this family.
     rules: Callable[[dict], list[Rule]] = field(repr=False)
+    # The attention's head width, from transformers' config object of the language model.
+    head_dim: Callable = head_dim_from_config
+    # Whether the attention reads `attention_bias`: a bias on q, k, v *and* o_proj when true.
+    attention_bias: bool = False
+    # Whether the MLP reads `mlp_bias` (biases on gate, up and down when true).
+    mlp_bias: bool = False
+    # Whether the model attends through a sliding window, from transformers' config object.
+    sliding_window: Callable = no_sliding_window
     # Vision-language families: the transformers class of the vision tower, which the
     # Megatron model runs as is ("module.path.ClassName").
     vision_tower: str | None = None

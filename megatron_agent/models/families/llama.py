@@ -11,4 +11,5 @@ def rules(hf: dict):
     return embeddings_and_head(hf) + attention(qkv_bias=qkv_bias(hf), qk_norm=False) + dense_mlp()
 
 
-FAMILY = Family("llama", qkv_bias=qkv_bias, qk_layernorm=False, moe=False, rules=rules)
+FAMILY = Family("llama", qkv_bias=qkv_bias, qk_layernorm=False, moe=False, rules=rules, attention_bias=True,
+                mlp_bias=True)

@@ -6,6 +6,8 @@ from megatron_agent.models.families.common import (
     attention,
     dense_mlp,
     embeddings_and_head,
+    head_dim_from_hidden,
+    sliding_window_layers,
     vision_tower,
 )
 
@@ -16,5 +18,6 @@ def rules(hf: dict):
 
 FAMILY = Family(
     "qwen2_5_vl", qkv_bias=lambda hf: True, qk_layernorm=False, moe=False, rules=rules,
+    head_dim=head_dim_from_hidden, sliding_window=sliding_window_layers,
     vision_tower="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
 )

@@ -6,6 +6,7 @@ from megatron_agent.models.families.common import (
     attention,
     embeddings_and_head,
     moe_mlp,
+    sliding_window_everywhere,
 )
 
 
@@ -20,4 +21,5 @@ def rules(hf: dict):
     return embeddings_and_head(hf) + attention(qkv_bias=qkv_bias(hf), qk_norm=True) + moe_mlp()
 
 
-FAMILY = Family("qwen3_moe", qkv_bias=qkv_bias, qk_layernorm=True, moe=True, rules=rules)
+FAMILY = Family("qwen3_moe", qkv_bias=qkv_bias, qk_layernorm=True, moe=True, rules=rules, attention_bias=True,
+                sliding_window=sliding_window_everywhere)

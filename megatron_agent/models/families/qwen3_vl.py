@@ -23,6 +23,6 @@ def rules(hf: dict):
 
 
 FAMILY = Family(
-    "qwen3_vl", qkv_bias=qkv_bias, qk_layernorm=True, moe=False, rules=rules,
+    "qwen3_vl", qkv_bias=qkv_bias, qk_layernorm=True, moe=False, rules=rules, attention_bias=True,
     vision_tower="transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel", mrope_interleaved=True,
 )

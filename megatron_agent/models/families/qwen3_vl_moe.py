@@ -20,7 +20,7 @@ def rules(hf: dict):
 
 
 FAMILY = Family(
-    "qwen3_vl_moe", qkv_bias=qkv_bias, qk_layernorm=True, moe=True, rules=rules,
+    "qwen3_vl_moe", qkv_bias=qkv_bias, qk_layernorm=True, moe=True, rules=rules, attention_bias=True,
     vision_tower="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeVisionModel",
     mrope_interleaved=True, norm_topk_prob=True,
 )

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,12 +105,20 @@ def test_expert_wins_and_a_wrong_episode_fails_in_the_same_group(appworld_python
 
 
 def test_question_task_then_max_steps_with_partial_credit_and_malformed_text(appworld_python, appworld_root):
-    """Task 1 (a question) solved with its answer; then, in the same world process, an
-    episode of malformed text only: every step invalid, none crashes, max_steps ends it."""
+    """Task 1 (a question) solved with its answer, after two cells AppWorld itself does not
+    survive (a KeyboardInterrupt escapes its `except Exception`; a printed lone surrogate
+    fails its log writer at every later cell): both are failed executions, valid actions,
+    and the world goes on to the win. Then, in the same world process, an episode of
+    malformed text only: every step invalid, none crashes, max_steps ends it."""
     config = {"python": appworld_python, "root": str(appworld_root), "max_steps": 5, "partial_credit": True}
     malformed = ["", "<code></code>", "<code>print(1)", "<code>a</code><code>b</code>", None]
     with EnvManager("appworld", config, num_groups=1, group_size=1, backend="inline") as envs:
         envs.reset([1])
+        for cell, shown in ((code("raise KeyboardInterrupt"), "Execution failed. Traceback:\nKeyboardInterrupt"),
+                            (code("print('a' + chr(0xd800) + 'b')"), "Last output:\na?b")):
+            observations, _, dones, infos = envs.step([cell])
+            assert infos[0]["is_action_valid"] and not infos[0]["failed"] and not dones[0], infos[0]
+            assert shown in observations[0].text
         for cell in solution_steps(appworld_root, TRAIN_TASKS[1]):
             observations, rewards, dones, infos = envs.step([code(cell)])
         assert dones[0] and infos[0]["won"] and rewards[0] == 10.0 and infos[0]["completed"]
@@ -118,11 +129,121 @@ def test_question_task_then_max_steps_with_partial_credit_and_malformed_text(app
         assert dones[0] and infos[0]["truncated"] and not infos[0]["won"]
         assert infos[0]["num_passed"] == 1 and infos[0]["num_tests"] == 2
         assert rewards[0] == pytest.approx(5.0)  # 10 * 1/2 with partial_credit
+        # What the run's memory plan takes one copy to cost (envs.registry.memory_problem),
+        # against this server after its two episodes.
+        import psutil
+
+        rss = psutil.Process(envs.workers[0].shard.envs[0].server.proc.pid).memory_info().rss
+        assert rss <= AppWorldConfig().copy_memory_bytes(), f"one AppWorld server holds {rss / 2**20:.0f} MiB"
 
 
 def test_the_cpu_job_runs_two_iterations_on_appworld(appworld_python, appworld_root, tmp_path):
     train_two_iterations(tmp_path, "appworld", ["env_config.max_steps=2", "loop.max_steps=2"],
                          {"APPWORLD_ROOT": str(appworld_root), "MEGATRON_AGENT_APPWORLD_PYTHON": appworld_python})
+
+
+def descendants(roots) -> dict:
+    """{pid: psutil.Process} of `roots` and everything under them that is alive now."""
+    import psutil
+
+    found = {}
+    for root in roots:
+        try:
+            for proc in [root, *root.children(recursive=True)]:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found[proc.pid] = proc
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
+def test_nothing_the_trainer_started_outlives_it(appworld_python, appworld_root, tmp_path):
+    """SIGKILL the trainer alone (not its process group), as the kernel's OOM killer would,
+    while its two env worker processes start their copies' AppWorld servers (three each,
+    one after the other): within a few seconds nothing it started is left, neither the
+    engine, nor the workers, nor a server, nor one started after the kill."""
+    import psutil
+
+    log = tmp_path / "trainer.log"
+    with log.open("w") as out:
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "megatron_agent.cli", "train", "env=appworld", "env_backend=process",
+             "env_workers=2", "num_groups=1", "group_size=6", "iterations=1", "stop_success=null",
+             "loop.sampling.max_new_tokens=16", "tiny_model.tokenizer=bpe", "val_every=0", "save_every=0",
+             "env_config.max_steps=2", "loop.max_steps=2", f"run_dir={tmp_path / 'run'}"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "APPWORLD_ROOT": str(appworld_root), PYTHON_ENV_VAR: appworld_python})
+    started: dict = {}
+    try:
+        root = psutil.Process(trainer.pid)
+        deadline = time.monotonic() + 240
+        while sum("appworld_server.py" in " ".join(p.cmdline()) for p in started.values() if p.is_running()) < 2:
+            assert trainer.poll() is None and time.monotonic() < deadline, \
+                "the trainer started no AppWorld server:\n" + log.read_text()[-3000:]
+            for pid, proc in descendants([root]).items():
+                try:
+                    proc.cmdline()  # kept while it can be read
+                    started.setdefault(pid, proc)
+                except psutil.Error:
+                    pass
+            time.sleep(0.1)
+        kinds = " ".join(" ".join(p.cmdline()) for p in started.values() if p.is_running())
+        assert "rollout.engine_server" in kinds and "spawn_main" in kinds  # the engine and the env workers
+
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        deadline, left = time.monotonic() + 5, descendants(started.values())
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = descendants(left.values())  # and anything they started since
+        assert not left, f"alive {time.monotonic() - deadline + 5:.1f} s after the trainer was killed: " + "; ".join(
+            f"{pid}: {' '.join(p.cmdline())[:120]}" for pid, p in left.items() if p.is_running())
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        for proc in descendants(started.values()).values():
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
+def test_a_busy_appworld_server_ends_with_the_process_that_started_it(appworld_python, appworld_root):
+    """A server's parent is an env worker, or the trainer itself under the inline backend
+    (which starts servers from the rollout's pool threads, so no PR_SET_PDEATHSIG): the
+    server watches its parent. Killed while the server runs a cell that never ends (its
+    stdin closing is not seen then), it is gone within a few seconds."""
+    import psutil
+
+    starter = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from envs.appworld import AppWorldServer\n"
+         "server = AppWorldServer(sys.argv[1], sys.argv[2], 600)\n"
+         "server.request('tasks', dataset='train')\n"
+         "server.request('reset', task_id='venmopay_1', experiment='busy-server', timeout_s=600)\n"
+         "server.proc.stdin.write('{\"cmd\": \"execute\", \"code\": \"while True: pass\"}\\n')\n"
+         "server.proc.stdin.flush()\n"
+         "print(server.proc.pid, flush=True)\n"
+         "time.sleep(600)\n", appworld_python, str(appworld_root)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    server = None
+    try:
+        server = psutil.Process(int(starter.stdout.readline()))  # its cell is sent: it runs until killed
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.wait()
+        assert not descendants(wait_gone([server], 5)), "the AppWorld server outlived its parent"
+    finally:
+        starter.kill()
+        if server is not None and server.is_running():
+            server.kill()
+
+
+def wait_gone(procs, seconds: float) -> list:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and descendants(procs):
+        time.sleep(0.1)
+    return procs
 
 
 def test_missing_venv_or_data_is_a_clear_error(tmp_path):
