@@ -7,7 +7,9 @@ seconds of process start, reported on their own line). Each is run `--repeats` t
 the fastest run counts; the ratios are copy seconds / conversion seconds (1.0: as fast
 as copying). Peak RSS is the process's own peak (VmHWM), imports included.
 
-Run: `.venv/bin/python bench/convert_throughput.py [--layers 20] [--repeats 3]`.
+Run: `.venv/bin/python bench/convert_throughput.py [--layers 20] [--repeats 3]`; it says
+at the start what that takes. `--quick`: the tiny preset, one layer, once (the script end
+to end; measures nothing).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+DEFAULT_RUN_S = 90  # the whole script at its defaults, measured on 2 cores shared with another job (load ~2-3)
 SIZES = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8,
              head_dim=64)
 
@@ -77,14 +80,14 @@ def run_measured(setup: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def make_model(root: Path, layers: int, shard: int) -> Path:
-    """A qwen3 model in fp32, re-sharded like a hub checkpoint."""
+def make_model(root: Path, layers: int, shard: int, sizes: dict) -> Path:
+    """A qwen3 model in fp32 (`sizes` over the tiny preset's), re-sharded like a hub checkpoint."""
     from megatron_agent.models.bridge import SafetensorsCheckpoint
     from megatron_agent.models.checkpoint import copy_hf_side_files
     from megatron_agent.models.safetensors_io import TensorSpec, write_streamed_shards
     from megatron_agent.models.tiny import write_tiny_model
 
-    single = write_tiny_model("qwen3", root / "single", num_hidden_layers=layers, **SIZES)
+    single = write_tiny_model("qwen3", root / "single", num_hidden_layers=layers, **sizes)
     hf_dir = root / "hf"
     hf_dir.mkdir()
     ckpt = SafetensorsCheckpoint(single)
@@ -103,11 +106,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--shard", default="256MB", help="shard size of the generated HF checkpoint")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="the tiny preset, 1 layer, 1 repeat: measures nothing")
     args = parser.parse_args()
+    if args.quick:
+        args.layers, args.repeats = 1, 1
+    print(f"convert_throughput: {args.layers} layers, {args.repeats} repeat(s) of a copy and two conversions, each in "
+          f"a fresh process; at the defaults (20 layers, 3 repeats) about {DEFAULT_RUN_S} s on 2 cores", flush=True)
     shard = _size(args.shard)
     root = Path(tempfile.mkdtemp(prefix="convert-bench-"))
     try:
-        hf_dir = make_model(root, args.layers, shard)
+        hf_dir = make_model(root, args.layers, shard, {} if args.quick else SIZES)
         files = sorted(str(f) for f in hf_dir.glob("*.safetensors"))
         total = sum(os.path.getsize(f) for f in files)
         largest = max(os.path.getsize(f) for f in files) / 2**20

@@ -1,7 +1,8 @@
 """GiGPO against GRPO: the same tasks, seeds, model and settings; only the advantage differs.
 
-    .venv/bin/python bench/gigpo_vs_grpo.py                      # 2 tasks x 2 algorithms x 3 seeds
+    .venv/bin/python bench/gigpo_vs_grpo.py                      # 2 tasks x 2 algorithms x 3 seeds (~16 min)
     .venv/bin/python bench/gigpo_vs_grpo.py --iterations 40 --seeds 0 --tasks sparse
+    .venv/bin/python bench/gigpo_vs_grpo.py --quick              # the script end to end, measures nothing
 
 Tasks (NumberLine 0..5 with the CPU main job's model and prompt; the observation is the
 anchor, so the same state recurs at different steps of a trajectory and across the
@@ -13,12 +14,14 @@ trajectories of a group, where GiGPO's step groups carry information):
 Each run is a full training run (`megatron_agent.driver.train`, one process each) for a
 fixed number of iterations (no early stop). Writes RUN_ROOT/<task>-<algorithm>-seed<N>/,
 a Markdown table (RUN_ROOT/results.md) and success-rate curves (RUN_ROOT/<task>.png).
+It says how long it expects to take when it starts, and how far each run has got.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 
 TASKS = {
@@ -26,13 +29,30 @@ TASKS = {
     "sparse": ["+experiment=numberline-sparse"],
 }
 ALGORITHMS = ("grpo", "gigpo")
+# What a run costs on 2 cores (docs/cpu_job.md: the main job's ~0.75 s per iteration of
+# 16 groups x 8, ~10 s to start a process, its engine and the model), for the estimate
+# printed at the start.
+SECONDS_PER_ITERATION = 0.8
+START_UP_S = 10.0
+PROGRESS_EVERY = 10  # iterations between a run's progress lines
+# --quick: one iteration of 2 groups x 2 per run, seed 0, the dense task
+QUICK = ["num_groups=2", "group_size=2", "loop.validation.num_episodes=2"]
 
 
-def run_one(overrides: list[str]) -> None:
+def run_one(overrides: list[str], label: str) -> None:
     from megatron_agent.driver import train
     from megatron_agent.run_config import load_run_config
 
-    train(load_run_config(overrides))
+    config = load_run_config(overrides)
+
+    def report(row: dict) -> None:
+        done = row["iteration"] + 1
+        if done % PROGRESS_EVERY == 0 or done == config.iterations:
+            print(f"  {label}: iteration {done}/{config.iterations}, success {row['train/success_rate']:.2f} "
+                  f"(3-iteration average {row['train/success_moving_average']:.2f}), "
+                  f"{row['time/elapsed']:.0f} s", flush=True)
+
+    train(config, on_iteration=report)
 
 
 def summarize(run_dir: Path, tail: int) -> dict:
@@ -72,7 +92,21 @@ def main() -> None:
     parser.add_argument("--run-root", default="runs/gigpo-vs-grpo")
     parser.add_argument("--tail", type=int, default=10, help="iterations averaged for the final success rate")
     parser.add_argument("--reuse", action="store_true", help="skip runs whose metrics are already complete")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 iteration of 2 groups x 2 per run, seed 0, the dense task: checks the script "
+                             "end to end in about a minute and measures nothing")
     args = parser.parse_args()
+    extra = []
+    if args.quick:
+        args.iterations, args.seeds, args.tasks, extra = 1, [0], ["dense"], QUICK
+    runs = len(args.tasks) * len(ALGORITHMS) * len(args.seeds)
+    expected = runs * (START_UP_S + args.iterations * SECONDS_PER_ITERATION)
+    print(f"gigpo_vs_grpo: {len(args.tasks)} task(s) x {len(ALGORITHMS)} algorithms x {len(args.seeds)} seed(s) = "
+          f"{runs} runs of {args.iterations} iterations, one after the other; expected about "
+          f"{f'{expected / 60:.0f} minutes' if expected >= 120 else f'{expected:.0f} s'} on 2 idle cores "
+          f"(~{START_UP_S:.0f} s start-up and "
+          f"~{SECONDS_PER_ITERATION} s per iteration each)", flush=True)
+    started, count = time.perf_counter(), 0
 
     root = Path(args.run_root)
     table = [f"| task | algorithm | final success (last {args.tail} it) | mean success (all it) | iterations to 0.9 "
@@ -86,11 +120,13 @@ def main() -> None:
             for seed in args.seeds:
                 run_dir = root / f"{task}-{algorithm}-seed{seed}"
                 dirs.append(run_dir)
+                count += 1
                 if not (args.reuse and len(read_metrics(run_dir)) == args.iterations):
-                    print(f"{task} {algorithm} seed {seed} ...", flush=True)
+                    label = f"{task} {algorithm} seed {seed}"
+                    print(f"run {count}/{runs}: {label} ({time.perf_counter() - started:.0f} s so far)", flush=True)
                     run_on_ranks(run_one, 1, [f"run_dir={run_dir}", f"algorithm={algorithm}", f"seed={seed}",
                                               f"iterations={args.iterations}", "stop_success=null", "val_every=0",
-                                              "save_every=0", "samples_every=0", *TASKS[task]],
+                                              "save_every=0", "samples_every=0", *TASKS[task], *extra], label,
                                  timeout_s=3600)
                 summaries.append(summarize(run_dir, args.tail))
             reach = ", ".join(str(s["reach"]) if s["reach"] is not None else "–" for s in summaries)
@@ -111,7 +147,8 @@ def main() -> None:
     text = "\n".join(table)
     (root / "results.md").write_text(text + "\n")
     print(text)
-    print(f"curves: {', '.join(str(root / f'{t}.png') for t in args.tasks)}")
+    print(f"curves: {', '.join(str(root / f'{t}.png') for t in args.tasks)} "
+          f"({time.perf_counter() - started:.0f} s in all)")
 
 
 if __name__ == "__main__":

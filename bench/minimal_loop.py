@@ -1,6 +1,7 @@
 """The CPU main job against a minimal loop on the same task, measured in the same run.
 
-    .venv/bin/python bench/minimal_loop.py [--seed 0] [--iterations 60] [--skip-product]
+    .venv/bin/python bench/minimal_loop.py [--seed 0] [--iterations 60]    # ~1.5 min on 2 idle cores
+    .venv/bin/python bench/minimal_loop.py --quick    # 2 iterations of 2 groups x 2: the script end to end
 
 The minimal loop is what a person would write in one file: one process, the main job's
 tiny HF model and tokenizer, the same prompt (the chat template over the observation),
@@ -134,11 +135,12 @@ def grpo_update(model, optimizer, episodes, advantages, pad_id: int) -> None:
     optimizer.step()
 
 
-def product_loop(run_dir: Path, iterations: int, seed: int) -> list[dict]:
+def product_loop(run_dir: Path, iterations: int, seed: int, groups: int = 16, group_size: int = 8) -> list[dict]:
     from megatron_agent.driver import train
     from megatron_agent.run_config import load_run_config
 
     config = load_run_config([f"run_dir={run_dir}", f"seed={seed}", f"iterations={iterations}",
+                              f"num_groups={groups}", f"group_size={group_size}",
                               "stop_success=null", "algorithm=grpo", "val_every=0", "save_every=0",
                               "samples_every=0"])
     return train(config)
@@ -157,15 +159,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--skip", type=int, default=3, help="warm-up iterations left out of the means")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 iterations of 2 groups x 2, none skipped: the script end to end, measures nothing")
     args = parser.parse_args()
+    groups, group_size = (2, 2) if args.quick else (16, 8)
+    if args.quick:
+        args.iterations, args.skip = 2, 0
+    print(f"minimal_loop: the minimal loop, then the product, {args.iterations} iterations of {groups} groups x "
+          f"{group_size} each; at the defaults (60 iterations of 16 x 8) about 1.5 minutes on 2 idle cores "
+          f"(docs/cpu_job.md)", flush=True)
 
     from megatron_agent.models.tiny import write_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-minimal-loop-"))
     model_dir = write_tiny_model("qwen3", tmp / "model", preset="tiny", num_hidden_layers=2, tokenizer="words",
                                  seed=args.seed)
-    minimal = minimal_loop(model_dir, args.iterations, args.seed)
-    product = product_loop(tmp / "run", args.iterations, args.seed)
+    minimal = minimal_loop(model_dir, args.iterations, args.seed, groups, group_size)
+    print(f"minimal loop done: {sum(r['seconds'] for r in minimal):.1f} s; now the product", flush=True)
+    product = product_loop(tmp / "run", args.iterations, args.seed, groups, group_size)
 
     m_it, m_sample = summary("minimal", [r["seconds"] for r in minimal], [r["samples"] for r in minimal], args.skip)
     p_it, p_sample = summary("product", [r["time/iteration"] for r in product],

@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    print(f"tiny_forward_backward: {args.repeats} timed forward+backward steps each of Megatron-Core and "
+          f"transformers; at the defaults about 20 s on 2 cores", flush=True)
     os.environ.setdefault("WORLD_SIZE", "1")
 
     from transformers import AutoModelForCausalLM

@@ -7,6 +7,8 @@ import importlib.metadata
 import logging
 import platform as py_platform
 import sys
+import threading
+import time
 
 log = logging.getLogger("megatron_agent")
 
@@ -66,8 +68,7 @@ def init_model(args) -> int:
 
 def train(args) -> int:
     """The main job: configs/config.yaml (RL on NumberLine, CPU default) plus overrides."""
-    from tqdm import tqdm
-
+    from megatron_agent.driver import first_iteration
     from megatron_agent.driver import train as run_training
     from megatron_agent.run_config import ConfigError, load_run_config
 
@@ -78,33 +79,111 @@ def train(args) -> int:
         return 2
     if args.dry_run:
         return show_resolved_config(config)
-    print(f"megatron-agent train: {config.algorithm.advantage_estimator} on {config.env}, {config.num_groups} "
-          f"groups x {config.group_size} episodes per iteration; run directory {config.run_dir}")
-    bar = tqdm(total=config.iterations, unit="it", dynamic_ncols=True)
-    reached = []
-
-    def show(row):
-        bar.update(1)
-        bar.set_postfix(success=f"{row['train/success_rate']:.2f}",
-                        avg3=f"{row['train/success_moving_average']:.2f}",
-                        invalid=f"{row['train/invalid_action_rate']:.2f}")
-        if not reached and row["train/success_moving_average"] >= 0.9:
-            reached.append(row)
-
     try:
-        history = run_training(config, on_iteration=show)
-    except FileNotFoundError as err:  # e.g. resume= a run with no complete checkpoint
+        first = first_iteration(config)
+    except FileNotFoundError as err:  # resume= a run with no complete checkpoint
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"megatron-agent train: {config.algorithm.advantage_estimator} on {config.env}, {config.num_groups} "
+          f"groups x {config.group_size} episodes per iteration; run directory {config.run_dir}"
+          + (f"; resuming at iteration {first}" if first else ""), flush=True)
+    bar = TrainingBar(config.iterations, first)
+    try:
+        history = run_training(config, on_iteration=bar.on_iteration, on_progress=bar.on_progress)
+    except FileNotFoundError as err:  # a file the run needs (a model_dir's config.json, ...)
         bar.close()
         print(f"error: {err}", file=sys.stderr)
         return 2
     bar.close()
-    last = history[-1]
-    print(f"{len(history)} iterations in {last['time/elapsed']:.0f} s; success rate {last['train/success_rate']:.2f} "
-          f"(3-iteration average {last['train/success_moving_average']:.2f}); metrics in {config.run_dir}/metrics.jsonl")
-    if reached:
-        print(f"reached a 3-iteration average success of 0.9 at iteration {reached[0]['iteration']} "
-              f"({reached[0]['time/elapsed']:.0f} s)")
+    wall = time.perf_counter() - args.started
+    done = [row for row in history if row["iteration"] >= first]
+    if not done:
+        print(f"no iteration to run: the run is at iteration {first} of {config.iterations}; "
+              f"{wall:.0f} s wall time")
+        return 0
+    last = done[-1]
+    span = f"{first}" if len(done) == 1 else f"{first}-{last['iteration']}"
+    print(f"{len(done)} iteration{'s' if len(done) > 1 else ''} ({span}) in {wall:.0f} s wall time, start-up included "
+          f"(the iterations took {last['time/elapsed']:.0f} s); success rate {last['train/success_rate']:.2f} "
+          f"(3-iteration average {last['train/success_moving_average']:.2f}); "
+          f"metrics in {config.run_dir}/metrics.jsonl")
+    if bar.reached is not None:
+        row, seconds = bar.reached
+        print(f"reached a 3-iteration average success of 0.9 at iteration {row['iteration']} "
+              f"({seconds:.0f} s wall time)")
     return 0
+
+
+class TrainingBar:
+    """The train command's progress bar: iterations done (from the one a resumed run starts
+    at) with the last one's success figures, and inside an iteration its phase, and the
+    episodes and steps done and engine requests in flight of the rollout under way. Fed
+    by the driver from its threads (on_progress, on_iteration)."""
+
+    def __init__(self, iterations: int, first_iteration: int):
+        from tqdm import tqdm
+
+        self.first, self.reached, self.started = first_iteration, None, time.perf_counter()
+        self.bar = tqdm(total=iterations, initial=first_iteration, unit="it", dynamic_ncols=True,
+                        bar_format="{l_bar}{bar:12}{r_bar}")
+        # On a terminal the line is redrawn in place; in a log each redraw is a line of its own.
+        self.redraw_s = 0.0 if self.bar.fp.isatty() else 10.0
+        self.figures, self.inside, self.drawn = "", "start-up", 0.0
+        self.lock = threading.Lock()
+        self._show(first_iteration, force=True)
+
+    def on_iteration(self, row: dict) -> None:
+        if row["iteration"] < self.first:  # a resumed run's earlier rows, followed from metrics.jsonl
+            return
+        with self.lock:
+            self.figures = (f"success {row['train/success_rate']:.2f} (avg3 "
+                            f"{row['train/success_moving_average']:.2f}), invalid "
+                            f"{row['train/invalid_action_rate']:.2f}")
+            if self.reached is None and row["train/success_moving_average"] >= 0.9:
+                self.reached = (row, time.perf_counter() - self.started)
+            self.inside = ""  # until the next iteration reports
+            self._show(row["iteration"] + 1, force=True)
+
+    def on_progress(self, progress) -> None:
+        with self.lock:
+            self.inside = describe_progress(progress)
+            self._show(progress.iteration)
+
+    def close(self) -> None:
+        with self.lock:
+            self.inside = ""
+            self._show(self.bar.n, force=True)
+            self.bar.close()
+
+    def _show(self, iterations_done: int, force: bool = False) -> None:
+        self.bar.set_postfix_str("; ".join(part for part in (self.figures, self.inside) if part), refresh=False)
+        now = time.perf_counter()
+        if iterations_done > self.bar.n:
+            self.bar.update(iterations_done - self.bar.n)  # draws the bar
+            self.drawn = now
+        elif force or now - self.drawn >= self.redraw_s:
+            self.bar.refresh()
+            self.drawn = now
+
+
+def describe_progress(progress) -> str:
+    """"rollout: 57/128 episodes, 312 steps, 24 requests in flight", "update", ... (the
+    rollout's counts while it is under way, with what it is for when that is not the phase)."""
+    from megatron_agent.progress import DONE, STARTING
+
+    if progress.phase == DONE:
+        return ""
+    if progress.phase == STARTING:
+        return STARTING
+    text = progress.phase
+    counts, label = progress.rollout, progress.rollout_for
+    if counts is not None and counts.episodes_done < counts.episodes:
+        what = (f"{counts.episodes_done}/{counts.episodes} episodes, {counts.steps_done} steps, "
+                f"{counts.requests_in_flight} requests in flight")
+        same = (progress.phase == "validation" and label == "validation") or (
+            progress.phase == "rollout" and label == f"rollout of iteration {progress.iteration}")
+        text += f": {what}" if same else f"; {label}: {what}"
+    return text
 
 
 def show_resolved_config(config) -> int:
@@ -145,6 +224,7 @@ def plot(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()  # the wall time a command reports counts from here
     parser = argparse.ArgumentParser(prog="megatron-agent", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -179,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=plot)
 
     args = parser.parse_args(argv)
+    args.started = started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     if args.command == "train":  # the progress bar is the output; keep the log to warnings

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_agent.iteration_metrics import PhaseTimer, iteration_row
 from megatron_agent.placement import launch
+from megatron_agent.progress import ProgressReporter, progress_path
 from megatron_agent.rollout_ahead import RolloutAhead
 from megatron_agent.run_config import RunConfig
 from megatron_agent.run_dir import (
@@ -44,17 +45,28 @@ from megatron_agent.samples import collect_samples, estimate_advantages, policy_
 log = logging.getLogger(__name__)
 
 
-def train(config: RunConfig, on_iteration=None) -> list[dict]:
+def train(config: RunConfig, on_iteration=None, on_progress=None) -> list[dict]:
     """Run the training; return one metrics dict per iteration (also passed to
-    `on_iteration` as it lands in run_dir/metrics.jsonl)."""
+    `on_iteration` as it lands in run_dir/metrics.jsonl). `on_progress(progress)`: where
+    the run is inside an iteration (megatron_agent/progress.py), a few times a second."""
     prepare_run_dir(config)
-    return launch(config, train_rank, on_iteration)
+    progress_path(config.run_dir).unlink(missing_ok=True)  # an earlier run's, in the same directory
+    return launch(config, train_rank, on_iteration, on_progress)
 
 
-def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> list[dict]:
+def first_iteration(config: RunConfig) -> int:
+    """The iteration the run starts at: 0, or with `resume` the step of its last complete
+    checkpoint (FileNotFoundError when it has none)."""
+    from megatron_agent.models.checkpoint import read_mcore_metadata
+
+    return int(read_mcore_metadata(latest_checkpoint(Path(config.resume)))["step"]) if config.resume else 0
+
+
+def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_progress=None) -> list[dict]:
     """The loop on one trainer rank. `launch_engines(engine_config, model_dir, log_dir)`
     returns started engines (objects with `url` and `stop()`); by default embedded engine
-    processes on this machine. Returns the metrics on rank 0, [] on the others."""
+    processes on this machine. Rank 0 reports its progress to `on_progress` and to
+    run_dir/progress.json. Returns the metrics on rank 0, [] on the others."""
     import torch
     from transformers import AutoTokenizer
 
@@ -77,6 +89,16 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
               if config.algorithm.advantage_estimator == "gae" else None)
     history, first_iteration = resume(config, actor, critic)
     dp = ctx.data_parallel_size
+    reporter = ProgressReporter(run_dir, config.iterations, first_iteration, on_progress) if leader else None
+
+    def phase(name: str):
+        """A phase of the iteration: timed, and shown as the run's progress."""
+        if reporter is not None:
+            reporter.phase(iteration, name)
+        return timer.phase(name)
+
+    def shown_as(label: str):
+        return reporter.rollout(label) if reporter is not None else None
 
     fleet = envs = val_envs = metrics_log = None
     try:
@@ -86,8 +108,9 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
             envs = env_manager(config, config.num_groups, config.group_size)
             if config.val_every:
                 val_envs = env_manager(config, config.loop.validation.num_episodes, 1)
-        rollouts = RolloutAhead(fleet, lambda client, i: collect_samples(config, envs, client, tokenizer, i,
-                                                                          image_processor=image_processor),
+        rollouts = RolloutAhead(fleet, lambda client, i: collect_samples(
+                                    config, envs, client, tokenizer, i, image_processor=image_processor,
+                                    on_progress=shown_as(f"rollout of iteration {i}")),
                                 leader=leader, overlap=config.overlap_rollout)
         if first_iteration:
             fleet.sync_weights(first_iteration)  # the engines start from the model on disk
@@ -97,7 +120,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
         start = time.perf_counter()
         for iteration in range(first_iteration, config.iterations):
             timer = PhaseTimer()
-            with timer.phase("rollout"):
+            with phase("rollout"):
                 collected = rollouts.take(iteration)
                 fleet.release_memory()  # colocated: the engines' memory goes to the actor until the sync
                 if leader:
@@ -107,7 +130,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                                       if leader else None, dp)  # this rank's data-parallel shard
             rollouts.start(iteration + 1)  # overlap_rollout: on the engines' current weights, while this trains
 
-            with timer.phase("advantages"):  # over the whole batch, on the leader
+            with phase("advantages"):  # over the whole batch, on the leader
                 values = critic.compute_values(batch) if critic is not None else None  # the shard's
                 whole_values = gather_rows(values, batch) if critic is not None else None
                 advantages = estimate_advantages(samples, config.algorithm, whole_values) if leader else None
@@ -116,7 +139,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                                        if leader else None, dp)
                 batch.advantages = targets["advantages"]
 
-            with timer.phase("logprobs"):
+            with phase("logprobs"):
                 quantized = config.weight_sync.quantize
                 # quantized rollouts: the whole batch's gap every iteration, from the old logprobs
                 if config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1 or quantized:
@@ -131,27 +154,28 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
                     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True,
                                                                 with_entropy=False)["logprobs"]
 
-            with timer.phase("update"):
+            with phase("update"):
                 metrics = {**checked, **actor.update(batch)}
             if critic is not None:
-                with timer.phase("critic_update"):
+                with phase("critic_update"):
                     metrics.update(critic.update(batch, returns=targets["returns"], old_values=values))
 
-            with timer.phase("rollout_wait"):  # for the rollout ahead (overlap_rollout)
+            with phase("rollout_wait"):  # for the rollout ahead (overlap_rollout)
                 rollouts.finish()
-            with timer.phase("weight_sync"):
+            with phase("weight_sync"):
                 metrics.update(fleet.sync_weights(iteration + 1))
 
             if config.val_every and (iteration + 1) % config.val_every == 0:
-                with timer.phase("validation"):
+                with phase("validation"):
                     validation = fleet.run(lambda client: run_validation(val_envs, client, tokenizer, config.loop,
-                                                                         image_processor=image_processor),
+                                                                         image_processor=image_processor,
+                                                                         on_progress=shown_as("validation")),
                                            iteration + 1)
                     if leader:
                         metrics.update(validation.metrics)
 
             if config.save_every and (iteration + 1) % config.save_every == 0:
-                with timer.phase("checkpoint"):
+                with phase("checkpoint"):
                     save_checkpoint(run_dir, iteration + 1, actor, critic, rollouts.pending(iteration + 1))
 
             stop = False
@@ -172,7 +196,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None) -> lis
             if from_leader(stop):
                 break
     finally:
-        for part in (metrics_log, fleet, envs, val_envs):
+        for part in (reporter, metrics_log, fleet, envs, val_envs):
             if part is not None:
                 part.close()
     return history if leader else []

@@ -18,9 +18,10 @@ COLOCATED_GPU_SHARE of their bundle's GPU, so both fit and Ray gives both that d
 `validate_colocation` checks these at config time.
 
 Every launcher runs the rank function it is given (the driver's `train_rank`) on every
-rank; rank 0 writes run_dir/metrics.jsonl, which this process follows to report
-progress. With Ray and no `ray_address`, a local Ray instance is started for the run and
-stopped after it; `ray_address=auto` joins the cluster that slurm/train.sbatch started.
+rank; rank 0 writes run_dir/metrics.jsonl and run_dir/progress.json, which this process
+follows to report progress. With Ray and no `ray_address`, a local Ray instance is started
+for the run and stopped after it; `ray_address=auto` joins the cluster that
+slurm/train.sbatch started.
 """
 
 from __future__ import annotations
@@ -142,17 +143,18 @@ def is_this_machine(url: str) -> bool:
         return False
 
 
-def launch(config, train_rank, on_iteration=None) -> list[dict]:
-    """Run `train_rank(config, on_iteration=None, launch_engines=None)` on every trainer
-    rank; return rank 0's metrics rows."""
+def launch(config, train_rank, on_iteration=None, on_progress=None) -> list[dict]:
+    """Run `train_rank(config, on_iteration=None, launch_engines=None, on_progress=None)`
+    on every trainer rank; return rank 0's metrics rows."""
     from megatron_agent.run_dir import read_metrics
 
     placement = config.placement
     if placement.launcher == "local" and placement.trainer_ranks == 1:
-        return train_rank(config, on_iteration)
+        return train_rank(config, on_iteration, on_progress=on_progress)
     run = _launch_local if placement.launcher == "local" else _launch_on_ray
     finished = threading.Event()
-    follower = threading.Thread(target=follow_metrics, args=(Path(config.run_dir), finished, on_iteration),
+    follower = threading.Thread(target=follow_metrics,
+                                args=(Path(config.run_dir), finished, on_iteration, on_progress),
                                 name="metrics-follower", daemon=True)
     follower.start()
     try:
@@ -163,11 +165,20 @@ def launch(config, train_rank, on_iteration=None) -> list[dict]:
     return read_metrics(Path(config.run_dir))
 
 
-def follow_metrics(run_dir: Path, finished: threading.Event, on_iteration=None, poll_s: float = 0.5) -> None:
-    """Call `on_iteration(row)` for each new row of run_dir/metrics.jsonl until `finished`."""
+def follow_metrics(run_dir: Path, finished: threading.Event, on_iteration=None, on_progress=None,
+                   poll_s: float = 0.5) -> None:
+    """Until `finished`: call `on_iteration(row)` for each new row of run_dir/metrics.jsonl
+    and `on_progress(progress)` for each new state in run_dir/progress.json."""
+    from megatron_agent.progress import read_progress
+
     path, offset, last = run_dir / "metrics.jsonl", 0, -1
+    shown = None
     while True:
         done = finished.wait(poll_s)
+        progress = read_progress(run_dir) if on_progress is not None else None
+        if progress is not None and progress != shown:
+            shown = progress
+            on_progress(progress)
         if path.exists():
             with path.open() as f:
                 if os.fstat(f.fileno()).st_size < offset:  # rewritten (a resumed run's first rows)

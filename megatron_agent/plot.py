@@ -1,7 +1,8 @@
-"""Curves and a phase table comparing training runs: `megatron-agent plot RUN_DIR ...`.
+"""Curves, seconds per phase and a table comparing training runs: `megatron-agent plot RUN_DIR ...`.
 
 Everything here reads run directories (their metrics.jsonl) and returns plain data; only
-`plot_runs` draws, and it returns the curves it drew so they can be checked without pixels.
+`plot_runs` draws, and it returns what it drew (the curves, the stacked phase seconds) so
+it can be checked without pixels.
 
 Averaging over seeds (`average_seeds=True`): runs whose labels differ only by a seed
 suffix (`-seed0`, `_s1`, `-s2`, ...) form one group, drawn as the mean over its runs with a
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from megatron_agent.run_dir import read_metrics
 
@@ -147,7 +149,7 @@ def panel_curves(runs: Sequence[Run], key: str, x: str = "iteration",
     for label, members in group_runs(runs, average_seeds):
         series_keys = [key]
         if key == SUCCESS_KEY and all(any(MOVING_AVERAGE_KEY in row for row in run.rows) for run in members):
-            series_keys = [SUCCESS_KEY, MOVING_AVERAGE_KEY]
+            series_keys = [MOVING_AVERAGE_KEY, SUCCESS_KEY]
         for series_key in series_keys:
             faint = len(series_keys) == 2 and series_key == SUCCESS_KEY
             if len(members) == 1:
@@ -163,9 +165,86 @@ def panel_curves(runs: Sequence[Run], key: str, x: str = "iteration",
     return curves
 
 
+def curve_legend(curve: Curve) -> str:
+    """What a line is, in its panel's legend: the run, and which series when a panel has two."""
+    if curve.key == MOVING_AVERAGE_KEY:
+        return f"{curve.label}: 3-iteration average"
+    if curve.faint:
+        return f"{curve.label}: per iteration"
+    return curve.label
+
+
+@dataclass(frozen=True)
+class LineStyle:
+    color: str
+    linestyle: str | tuple
+    linewidth: float
+    marker: str
+    markersize: float
+
+
+# Runs differ in colour and also in dash pattern, width and marker shape, widest first, so a
+# run drawn over another with the same values leaves the one below visible around and
+# between its dashes (and hollow markers of different shapes both show at one point).
+DASHES = ("-", (0, (4, 2.5)), (0, (1, 1.5)), (0, (6, 2, 1, 2)), (0, (3, 3)), (0, (8, 2, 1, 2, 1, 2)))
+WIDTHS = (3.2, 2.0, 1.3)  # then 1.0
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def run_style(index: int) -> LineStyle:
+    """The look of the index-th curve group's lines."""
+    return LineStyle(color=f"C{index % 10}", linestyle=DASHES[index % len(DASHES)],
+                     linewidth=WIDTHS[index] if index < len(WIDTHS) else 1.0, marker=MARKERS[index % len(MARKERS)],
+                     markersize=max(4.0, 9.0 - 1.5 * index))
+
+
+# time/* keys that are not a phase of their own: the clock, the whole iteration, and the
+# parts of time/rollout (iteration_metrics.iteration_row)
+NOT_PHASES = ("time/elapsed", "time/iteration")
+ROLLOUT_PARTS = ("time/generate", "time/env")
+PHASE_ORDER = ("time/rollout", "time/rollout_wait", "time/advantages", "time/logprobs", "time/update",
+               "time/critic_update", "time/weight_sync", "time/validation", "time/checkpoint", "time/other")
+
+
+def stacked_phase_keys(runs: Sequence[Run]) -> list[str]:
+    """The phases an iteration's seconds add up to (time/iteration), bottom to top: the
+    known ones in PHASE_ORDER, then others the runs logged, in the order first seen."""
+    logged = [key for key in phase_keys(runs) if key not in NOT_PHASES + ROLLOUT_PARTS]
+    return [key for key in PHASE_ORDER if key in logged] + [key for key in logged if key not in PHASE_ORDER]
+
+
+@dataclass
+class PhaseStack:
+    """One run's (or seed group's mean) seconds per phase at each iteration; a phase an
+    iteration did not run (validation, checkpoint) counts 0."""
+
+    label: str
+    iterations: list[int]
+    seconds: dict[str, list[float]]  # phase key -> one value per iteration, bottom to top
+
+
+def phase_stack(label: str, members: Sequence[Run], phases: Sequence[str]) -> PhaseStack:
+    by_run = [{row["iteration"]: row for row in run.rows if _has_number(row, "time/iteration")} for run in members]
+    iterations = sorted(set.intersection(*(set(rows) for rows in by_run)))
+    seconds = {key: [sum(float(rows[i].get(key, 0.0)) for rows in by_run) / len(by_run) for i in iterations]
+               for key in phases}
+    return PhaseStack(label, iterations, seconds)
+
+
+@dataclass
+class Plot:
+    """What `plot_runs` drew: the curves per metric panel, a stack of phases per run, and
+    the figure (its axes: the metric panels in order, then the phase panels)."""
+
+    panels: dict[str, list[Curve]]
+    phases: list[PhaseStack]
+    figure: Figure
+
+
 def plot_runs(runs: Sequence[Run], out_png: str | Path, keys: Sequence[str] | None = None,
-              x: str = "iteration", average_seeds: bool = False) -> dict[str, list[Curve]]:
-    """Write one panel per metric key to `out_png`; return the curves drawn, by key.
+              x: str = "iteration", average_seeds: bool = False) -> Plot:
+    """Write one panel per metric key, then one panel per run (or seed group) of its seconds
+    per phase at each iteration, stacked, to `out_png`; return what was drawn.
 
     keys=None plots DEFAULT_KEYS and skips (with a warning) those no run has; keys named
     explicitly must each be in some run, else ValueError naming the missing ones."""
@@ -186,35 +265,73 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, keys: Sequence[str] | No
         if len(lasts) > 1:
             log.warning("%s: its runs stop at iterations %s; the average ends at the earliest",
                         label, sorted(lasts))
-    colors = {label: f"C{i % 10}" for i, (label, _) in enumerate(groups)}
+    styles = {label: run_style(i) for i, (label, _) in enumerate(groups)}
+    phases = stacked_phase_keys(runs)
+    stacks = [stack for stack in (phase_stack(label, members, phases) for label, members in groups)
+              if stack.iterations] if phases else []
 
     panels = {key: panel_curves(runs, key, x, average_seeds) for key in present}
-    columns = 1 if len(panels) == 1 else 2
-    rows = math.ceil(len(panels) / columns)
+    columns = 1 if len(panels) + len(stacks) == 1 else 2
+    metric_rows = math.ceil(len(panels) / columns)
+    rows = metric_rows + math.ceil(len(stacks) / columns)
     figure = Figure(figsize=(6.5 * columns, 4 * rows), layout="constrained")
     FigureCanvasAgg(figure)  # Agg renders the PNG without a display and without pyplot's global state
     for index, (key, curves) in enumerate(panels.items()):
         axes = figure.add_subplot(rows, columns, index + 1)
         for curve in curves:
-            color = colors[curve.label]
-            sparse = key.startswith("val/")
-            axes.plot(curve.x, curve.y, "o-" if sparse else "-", color=color, markersize=3,
-                      alpha=0.3 if curve.faint else 1.0, linewidth=1 if curve.faint else 1.8,
-                      label="_nolegend_" if curve.faint else curve.label)
-            if curve.low is not None:
-                axes.fill_between(curve.x, curve.low, curve.high, color=color,
-                                  alpha=0.07 if curve.faint else 0.2, linewidth=0)
-        axes.set_title(key)
+            draw_curve(axes, curve, styles[curve.label], with_markers=key.startswith("val/"))
+        title = key if key != SUCCESS_KEY or not any(c.faint for c in curves) else \
+            f"{key} (faint: per iteration)"
+        axes.set_title(title)
         axes.set_xlabel(x)
+        if x == "iteration":
+            axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         axes.grid(alpha=0.3)
         if curves:
             axes.legend(fontsize="small")
         else:
             axes.text(0.5, 0.5, "no iteration common to a group's runs", ha="center", transform=axes.transAxes)
+    shared = None
+    for index, stack in enumerate(stacks):
+        axes = figure.add_subplot(rows, columns, metric_rows * columns + index + 1, sharey=shared)
+        shared = shared or axes
+        draw_phase_stack(axes, stack)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out_png, dpi=100)
-    return panels
+    return Plot(panels, stacks, figure)
+
+
+def draw_curve(axes, curve: Curve, style: LineStyle, with_markers: bool) -> None:
+    marker = dict(marker=style.marker, markersize=style.markersize, markerfacecolor="none",
+                  markeredgewidth=1.3) if with_markers else {}
+    axes.plot(curve.x, curve.y, color=style.color, linestyle=style.linestyle,
+              linewidth=0.8 if curve.faint else style.linewidth, alpha=0.35 if curve.faint else 1.0,
+              label=curve_legend(curve), **marker)
+    if curve.low is not None:
+        axes.fill_between(curve.x, curve.low, curve.high, color=style.color,
+                          alpha=0.07 if curve.faint else 0.2, linewidth=0)
+
+
+PHASE_COLORS = ("#4c72b0", "#8da0cb", "#dd8452", "#937860", "#c44e52", "#da8bc3", "#55a868", "#8172b3",
+                "#ccb974", "#8c8c8c")
+
+
+def draw_phase_stack(axes, stack: PhaseStack) -> None:
+    """Bars, one per iteration, cut into the phases' seconds, the first phase at the bottom."""
+    bottom = [0.0] * len(stack.iterations)
+    for i, (key, values) in enumerate(stack.seconds.items()):
+        if not any(values):  # a phase this run never ran (its colour stays the phase's in every panel)
+            continue
+        axes.bar(stack.iterations, values, bottom=bottom, width=1.0, align="center", linewidth=0,
+                 color=PHASE_COLORS[i % len(PHASE_COLORS)], label=key.removeprefix("time/"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axes.set_title(f"{stack.label}: seconds per phase")
+    axes.set_xlabel("iteration")
+    axes.set_ylabel("s")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend(fontsize="x-small", ncols=2, reverse=True)  # top to bottom, as stacked
 
 
 def default_out_path(run_dirs: Sequence[str | Path]) -> Path:
@@ -273,24 +390,39 @@ def group_phase_figures(runs: Sequence[Run]) -> dict[str, float | int | None]:
     return figures
 
 
+def table_phase_keys(runs: Sequence[Run]) -> list[str]:
+    """The table's time/* rows: the stacked phases bottom to top, the parts of the rollout
+    after it, time/iteration last."""
+    logged = phase_keys(runs)
+    keys = []
+    for key in stacked_phase_keys(runs):
+        keys.append(key)
+        if key == "time/rollout":
+            keys += [part for part in ROLLOUT_PARTS if part in logged]
+    return keys + [key for key in logged if key not in keys]
+
+
 def phase_table(runs: Sequence[Run], average_seeds: bool = False) -> str:
-    """A Markdown table, one row per run (or seed group, then each column is the mean over
-    its runs): see phase_figures."""
-    phases = phase_keys(runs)
-    header = ["run", "iterations", f"first iteration avg3 >= {REACH_THRESHOLD:g}", "at minutes",
-              "s / iteration", *(f"{key} (s)" for key in phases)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, members in group_runs(runs, average_seeds):
-        figures = group_phase_figures(members) if len(members) > 1 else phase_figures(members[0])
+    """A Markdown table, one column per run (or seed group, then each figure is the mean
+    over its runs), one row per figure: see phase_figures."""
+    groups = group_runs(runs, average_seeds)
+    columns = [group_phase_figures(members) if len(members) > 1 else phase_figures(members[0])
+               for _, members in groups]
+
+    def reached(figures: dict, members: list) -> str:
         if figures["reached_iteration"] is None:
-            reached, at_minutes = "not reached", "-"
-        else:
-            reached = f"{figures['reached_iteration']:.4g}"
-            if len(members) > 1:
-                reached += f" ({figures['reached_runs']}/{len(members)} runs)"
-            at_minutes = f"{figures['reached_minutes']:.2f}"
-        cells = [label, f"{figures['iterations']:.4g}", reached, at_minutes,
-                 f"{figures['seconds_per_iteration']:.2f}",
-                 *("-" if figures.get(key) is None else f"{figures[key]:.2f}" for key in phases)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            return "not reached"
+        text = f"{figures['reached_iteration']:.4g}"
+        return text + (f" ({figures['reached_runs']}/{len(members)} runs)" if len(members) > 1 else "")
+
+    table = [["iterations", *(f"{f['iterations']:.4g}" for f in columns)],
+             [f"first iteration avg3 >= {REACH_THRESHOLD:g}",
+              *(reached(f, members) for f, (_, members) in zip(columns, groups))],
+             ["at minutes", *("-" if f["reached_minutes"] is None else f"{f['reached_minutes']:.2f}" for f in columns)],
+             ["s / iteration", *(f"{f['seconds_per_iteration']:.2f}" for f in columns)]]
+    for key in table_phase_keys(runs):
+        name = f"{key} (s)" if key not in ROLLOUT_PARTS else f"{key} (s, part of time/rollout)"
+        table.append([name, *("-" if f.get(key) is None else f"{f[key]:.2f}" for f in columns)])
+    header = ["", *(label for label, _ in groups)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in table)])

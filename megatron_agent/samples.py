@@ -25,19 +25,20 @@ def rollout_seeds(config, iteration: int, attempt: int = 0) -> list[int]:
     return [first + g for g in range(config.num_groups)]
 
 
-def collect_samples(config, envs, client, tokenizer, iteration: int, *, image_processor=None):
+def collect_samples(config, envs, client, tokenizer, iteration: int, *, image_processor=None, on_progress=None):
     """Roll out `num_groups` groups (more with dynamic sampling: groups whose episodes all
     scored the same are dropped and new ones rolled, numbered after the earlier ones,
     until the batch is full or the tries run out); return the kept step samples, the
     first rollout's episode metrics and its episodes. `image_processor`: a vision-language
-    model's (rollout/vision.py), None for a text model."""
+    model's (rollout/vision.py), None for a text model. `on_progress`: the agent loop's
+    (run_rollout), for each rollout."""
     from rollout.agent_loop import run_rollout
 
     kept, metrics, episodes, tries, dropped = [], None, None, 0, 0
     while True:
         rollout = run_rollout(envs, client, tokenizer, config.loop, rollout_seeds(config, iteration, tries),
                               rollout_index=iteration, first_group=tries * config.num_groups,
-                              image_processor=image_processor)
+                              image_processor=image_processor, on_progress=on_progress)
         if metrics is None:
             metrics, episodes = rollout.metrics, rollout.episodes
         tries += 1

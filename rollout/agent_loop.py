@@ -41,6 +41,7 @@ import numpy as np
 from rollout.async_loop import run_async
 from rollout.episodes import RolloutSettings, Slot, Timeline, sampling_seed  # noqa: F401 (sampling_seed: re-exported)
 from rollout.memory import Memory, memory_factory
+from rollout.progress import ProgressCounter, RolloutProgress
 from rollout.prompts import PromptConfig
 from rollout.samples import StepSample
 from rollout.sampling import SamplingConfig
@@ -88,6 +89,7 @@ def run_rollout(
     first_group: int = 0,
     make_memory: Callable[[], Memory] | None = None,
     image_processor=None,
+    on_progress: Callable[[RolloutProgress], None] | None = None,
 ) -> RolloutResult:
     """Play one episode per env copy and return one StepSample per (trajectory, step).
 
@@ -98,7 +100,9 @@ def run_rollout(
     of the first group (group and trajectory ids count on from it, so the samples of
     several rollouts of one batch stay apart). image_processor: a vision-language
     model's (rollout/vision.py `load_image_processor`): prompts then show the
-    observations' images; None (a text model): text prompts.
+    observations' images; None (a text model): text prompts. on_progress: called, from
+    the loop's threads, with the episodes and steps done and the requests in flight each
+    time they change (rollout/progress.py).
     """
     if config.mode not in LOOP_MODES:
         raise ValueError(f"loop mode {config.mode!r}; use one of {LOOP_MODES}")
@@ -116,35 +120,41 @@ def run_rollout(
         offset += e.num_groups
 
     timeline = Timeline()
+    progress = ProgressCounter(sum(s.envs.num_envs for s in slots), on_progress)
     start = time.perf_counter()
     for slot in slots:
         t0 = time.perf_counter()
         slot.reset()
         timeline.record("env", t0, time.perf_counter())
+    progress.add(episodes_done=sum(s.envs.num_envs - len(s.active_copies()) for s in slots))  # over at reset
     if config.mode == "async":
-        run_async(slots, engine, timeline)
+        run_async(slots, engine, timeline, progress)
     else:
-        run_lockstep(slots, engine, timeline)
+        run_lockstep(slots, engine, timeline, progress)
     wall = time.perf_counter() - start
     return rollout_result(slots, config, timeline, wall)
 
 
-def run_lockstep(slots: list[Slot], engine, timeline: Timeline) -> None:
+def run_lockstep(slots: list[Slot], engine, timeline: Timeline, progress: ProgressCounter | None = None) -> None:
     """Step by step: every active copy of every slot generates (one batch), then each
     slot's envs step the copies that generated."""
+    progress = progress or ProgressCounter(0, None)
     while any(s.active.any() for s in slots):
         batch = [(s, i, s.prompt(i)) for s in slots for i in s.active_copies()]
         requests = [s.request(i, p) for s, i, p in batch]
+        progress.add(requests_in_flight=len(requests))
         t0 = time.perf_counter()
         images = {"image_data": [r.image_data for r in requests], "prompt_tokens": [r.prompt_tokens for r in requests]}
         outputs = engine.generate([r.ids for r in requests], [r.params for r in requests],
                                   rids=[r.rid for r in requests], sticky_keys=[r.sticky_key for r in requests],
                                   **(images if any(r.image_data for r in requests) else {}))
         timeline.record("generate", t0, time.perf_counter())
+        progress.add(requests_in_flight=-len(requests))
         for slot in slots:
             mine = [(i, p, out) for (s, i, p), out in zip(batch, outputs) if s is slot]
             if mine:
-                slot.step(mine, timeline)
+                goes_on = [g for _, g in slot.step(mine, timeline)]
+                progress.add(steps_done=len(goes_on), episodes_done=goes_on.count(False))
 
 
 def rollout_result(slots: list[Slot], config: AgentLoopConfig, timeline: Timeline, wall: float) -> RolloutResult:
@@ -205,7 +215,8 @@ def validation_seeds(config: AgentLoopConfig) -> list[int]:
     return [validation_seed(v.first_seed_index + i) for i in range(v.num_episodes)]
 
 
-def run_validation(envs, engine, tokenizer, config: AgentLoopConfig, *, image_processor=None) -> RolloutResult:
+def run_validation(envs, engine, tokenizer, config: AgentLoopConfig, *, image_processor=None,
+                   on_progress: Callable[[RolloutProgress], None] | None = None) -> RolloutResult:
     """Validation: group size 1, the validation seed range, the validation sampling
     (greedy by default). `envs` must have group_size 1 and num_episodes groups."""
     for e in envs if isinstance(envs, list | tuple) else [envs]:
@@ -213,6 +224,6 @@ def run_validation(envs, engine, tokenizer, config: AgentLoopConfig, *, image_pr
             raise ValueError(f"validation runs use group_size=1, got {e.group_size}")
     result = run_rollout(envs, engine, tokenizer, replace(config, drop_failed_episodes=True),
                          validation_seeds(config), sampling=config.validation.sampling,
-                         image_processor=image_processor)
+                         image_processor=image_processor, on_progress=on_progress)
     result.metrics = {k.replace("rollout/", "val/", 1): v for k, v in result.metrics.items()}
     return result

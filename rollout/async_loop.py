@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rollout.episodes import Request, Slot, Timeline
+from rollout.progress import ProgressCounter
 
 
 def engine_submitter(engine) -> tuple[Callable[[Request], Future], ThreadPoolExecutor | None]:
@@ -48,8 +49,10 @@ def image_kwargs(r: Request) -> dict:
     return {"image_data": r.image_data, "prompt_tokens": r.prompt_tokens} if r.image_data else {}
 
 
-def run_async(slots: list[Slot], engine, timeline: Timeline) -> None:
-    """Play every active copy of `slots` (already reset) to its end."""
+def run_async(slots: list[Slot], engine, timeline: Timeline, progress: ProgressCounter | None = None) -> None:
+    """Play every active copy of `slots` (already reset) to its end; `progress` counts
+    the requests in flight and the steps and episodes done."""
+    progress = progress or ProgressCounter(0, None)
     submit, generate_pool = engine_submitter(engine)
     lock = threading.Lock()
     arrived: dict[tuple[int, int], list] = defaultdict(list)  # (slot, env worker) -> [(copy, prompt, output)]
@@ -77,6 +80,7 @@ def run_async(slots: list[Slot], engine, timeline: Timeline) -> None:
         prompt = slots[k].prompt(i)
         request = slots[k].request(i, prompt)
         t0 = time.perf_counter()
+        progress.add(requests_in_flight=1)
         future = submit(request)
         with lock:
             in_flight.add(future)
@@ -86,6 +90,7 @@ def run_async(slots: list[Slot], engine, timeline: Timeline) -> None:
         timeline.record("generate", t0, time.perf_counter())
         with lock:
             in_flight.discard(future)
+        progress.add(requests_in_flight=-1)
         output = future.result()
         lane = (k, slots[k].envs.worker_of(i))
         with lock:
@@ -103,7 +108,9 @@ def run_async(slots: list[Slot], engine, timeline: Timeline) -> None:
                 if not items:
                     draining.discard(lane)
                     return
-            for i, goes_on in slot.step(items, timeline):
+            stepped = slot.step(items, timeline)
+            progress.add(steps_done=len(stepped), episodes_done=sum(not goes_on for _, goes_on in stepped))
+            for i, goes_on in stepped:
                 if goes_on:
                     start(lane[0], i)
                 else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -237,6 +238,21 @@ def _fused_experts_to_hub_layout(path: Path) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+@contextmanager
+def progress_bars_off():
+    """transformers' progress bars off for the block ("Writing model shards" for a model
+    of one shard would be drawn inside the caller's own bar), as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def write_tiny_vlm(family: str, out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
                    dtype: torch.dtype = torch.float32, tokenizer: str = "bpe", **overrides) -> Path:
     """A tiny vision-language model: config.json, weights under the checkpoint's own names
@@ -260,7 +276,8 @@ def write_tiny_vlm(family: str, out_dir: str | Path, *, preset: str = "tiny", se
     from megatron_agent.models.checkpoint import atomic_directory
 
     with atomic_directory(out_dir) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with progress_bars_off():
+            model.save_pretrained(tmp, safe_serialization=True)
         if "num_experts" in fields["text_config"]:
             _fused_experts_to_hub_layout(tmp / "model.safetensors")
         tokenizer.save_pretrained(tmp)
@@ -319,7 +336,8 @@ def write_tiny_model(
     from megatron_agent.models.checkpoint import atomic_directory
 
     with atomic_directory(out_dir) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with progress_bars_off():
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "megatron_agent.json").write_text(
             json.dumps({"family": family, "preset": preset, "seed": seed, "tokenizer": tokenizer_kind,

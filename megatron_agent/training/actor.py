@@ -436,6 +436,8 @@ class Actor:
 
     def load(self, directory: str | Path) -> None:
         """Restore model, optimizer, scheduler and step; RNG too when the layout is the same."""
+        import warnings
+
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
@@ -454,7 +456,14 @@ class Actor:
         same_layout = saved == self._layout()
         if not same_layout:
             state.pop("rng_state")
-        loaded = dist_checkpointing.load(state, str(directory))
+        with warnings.catch_warnings():
+            # Megatron-Core 0.16's torch_dist reader calls torch's deprecated load_state_dict
+            # on ShardedTensors; torch's FutureWarnings about it name nothing a user can change.
+            warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning,
+                                    module=r"megatron\.core\.dist_checkpointing\.")
+            warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
+                                    "ShardedTensor", category=FutureWarning, module=r"torch\.distributed\.checkpoint\.")
+            loaded = dist_checkpointing.load(state, str(directory))
         for i, chunk in enumerate(self.chunks):
             chunk.load_state_dict(loaded[f"model{i}"])
         with torch.no_grad():  # fp32 distributed optimizer: its shards are views of the params

@@ -1,4 +1,5 @@
-"""`megatron-agent plot`: curves and phase table from hand-written metrics.jsonl files."""
+"""`megatron-agent plot`: curves, stacked phase seconds and the table from hand-written
+metrics.jsonl files (and rows made by the driver's own iteration_row)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def make_rows(successes, seconds_per_iteration=30.0, val_every=2, validation_s=4
     return rows
 
 
-def panel(panels, key, label, series_key=None):
-    (curve,) = [c for c in panels[key] if c.label == label and c.key == (series_key or key)]
+def panel(drawn, key, label, series_key=None):
+    (curve,) = [c for c in drawn.panels[key] if c.label == label and c.key == (series_key or key)]
     return curve
 
 
@@ -61,7 +62,7 @@ def test_png_is_written_and_curves_equal_the_metrics(tmp_path):
     assert out.stat().st_size > 10_000
     with Image.open(out) as image:
         assert image.format == "PNG" and image.width > 400 and image.height > 300
-    assert list(panels) == list(DEFAULT_KEYS)
+    assert list(panels.panels) == list(DEFAULT_KEYS)
 
     raw = panel(panels, "train/success_rate", "gigpo")
     assert raw.faint and raw.x == [0, 1, 2, 3] and raw.y == [0.0, 0.5, 1.0, 1.0]
@@ -78,8 +79,8 @@ def test_png_is_written_and_curves_equal_the_metrics(tmp_path):
 def test_minutes_on_x_and_a_resumed_clock(tmp_path):
     runs = load_runs([write_run(tmp_path, "run", make_rows([0.1, 0.2, 0.3], seconds_per_iteration=90.0))])
     panels = plot_runs(runs, tmp_path / "m.png", keys=["train/episode_length"], x="minutes")
-    assert list(panels) == ["train/episode_length"]
-    assert panels["train/episode_length"][0].x == pytest.approx([1.5, 3.0, 4.5])
+    assert list(panels.panels) == ["train/episode_length"]
+    assert panels.panels["train/episode_length"][0].x == pytest.approx([1.5, 3.0, 4.5])
     # a resume restarts time/elapsed from zero; the minutes keep counting from where it stopped
     resumed = [{"time/elapsed": 60}, {"time/elapsed": 120}, {"time/elapsed": 30}, {"time/elapsed": 90}]
     assert elapsed_minutes(resumed) == pytest.approx([1.0, 2.0, 2.5, 3.5])
@@ -137,13 +138,15 @@ def test_phase_table_figures(tmp_path):
     assert slow["reached_iteration"] is None and "time/validation" not in slow
 
     lines = phase_table(runs).splitlines()
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header == ["run", "iterations", "first iteration avg3 >= 0.9", "at minutes", "s / iteration",
-                      "time/rollout (s)", "time/update (s)", "time/weight_sync (s)", "time/validation (s)"]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["", "fast", "slow"]
     assert set(lines[1]) <= set("|-")
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    assert cells == [["fast", "5", "3", "2.00", "30.00", "12.00", "5.00", "1.00", "12.00"],
-                     ["slow", "3", "not reached", "-", "12.00", "11.00", "5.00", "1.00", "-"]]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    assert list(rows) == ["iterations", "first iteration avg3 >= 0.9", "at minutes", "s / iteration",
+                          "time/rollout (s)", "time/update (s)", "time/weight_sync (s)", "time/validation (s)"]
+    assert rows == {"iterations": ["5", "3"], "first iteration avg3 >= 0.9": ["3", "not reached"],
+                    "at minutes": ["2.00", "-"], "s / iteration": ["30.00", "12.00"],
+                    "time/rollout (s)": ["12.00", "11.00"], "time/update (s)": ["5.00", "5.00"],
+                    "time/weight_sync (s)": ["1.00", "1.00"], "time/validation (s)": ["12.00", "-"]}
 
 
 def test_phase_table_of_a_seed_group(tmp_path):
@@ -151,10 +154,10 @@ def test_phase_table_of_a_seed_group(tmp_path):
             write_run(tmp_path, "a-seed1", make_rows([0.5, 1.0, 1.0, 1.0, 1.0], seconds_per_iteration=60.0)),
             write_run(tmp_path, "a-seed2", make_rows([0.0, 0.0], seconds_per_iteration=90.0))]
     lines = phase_table(load_runs(dirs), average_seeds=True).splitlines()
-    assert len(lines) == 3
-    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["", "a (3 seeds)"]
+    column = [[c.strip() for c in line.strip("|").split("|")][1] for line in lines[2:]]
     # reached at iterations 0 (0.5 min) and 3 (4 min); iterations (4 + 5 + 2) / 3; rollout (11.5 + 12 + 10.5) / 3
-    assert cells[:6] == ["a (3 seeds)", f"{11 / 3:.4g}", "1.5 (2/3 runs)", "2.25", "60.00", f"{34 / 3:.2f}"]
+    assert column[:5] == [f"{11 / 3:.4g}", "1.5 (2/3 runs)", "2.25", "60.00", f"{34 / 3:.2f}"]
 
 
 def test_truncated_last_line_is_tolerated(tmp_path):
@@ -170,7 +173,7 @@ def test_default_key_no_run_has_is_skipped_with_a_warning(tmp_path, caplog):
     runs = load_runs([write_run(tmp_path, "noval", rows)])
     with caplog.at_level(logging.WARNING, logger="megatron_agent.plot"):
         panels = plot_runs(runs, tmp_path / "p.png")
-    assert "val/success_rate" not in panels and len(panels) == 3
+    assert "val/success_rate" not in panels.panels and len(panels.panels) == 3
     assert "val/success_rate" in caplog.text
 
 
@@ -203,7 +206,7 @@ def test_cli_writes_the_png_and_prints_the_table(tmp_path, capsys, monkeypatch):
     one = write_run(tmp_path, "one", make_rows([1.0, 1.0, 1.0]))
     assert main(["plot", str(one)]) == 0
     out = capsys.readouterr().out
-    assert f"wrote {one / 'plot.png'}" in out and "| one | 3 | 0 |" in out
+    assert f"wrote {one / 'plot.png'}" in out and "|  | one |" in out and "| first iteration avg3 >= 0.9 | 0 |" in out
     with Image.open(one / "plot.png") as image:
         assert image.format == "PNG"
 
@@ -215,3 +218,102 @@ def test_cli_writes_the_png_and_prints_the_table(tmp_path, capsys, monkeypatch):
 
     assert main(["plot", str(one), str(two), "--out", str(tmp_path / "c" / "x.png"), "--average-seeds"]) == 0
     assert (tmp_path / "c" / "x.png").exists()
+
+
+def driver_rows(phase_seconds: list[dict[str, float]], iteration_seconds: list[float]) -> list[dict]:
+    """Rows as the driver's own iteration_row builds them from a PhaseTimer's seconds (its
+    time/other is what the named phases leave of the iteration)."""
+    from megatron_agent.iteration_metrics import PhaseTimer, iteration_row
+
+    rows, elapsed = [], 0.0
+    for i, (seconds, total) in enumerate(zip(phase_seconds, iteration_seconds)):
+        timer = PhaseTimer()
+        timer.seconds = {f"time/{k}": v for k, v in seconds.items()}
+        timer.elapsed = lambda total=total: total
+        elapsed += total
+        rollout = {"rollout/success_rate": 0.5, "rollout/episode_length": 3.0, "rollout/invalid_action_rate": 0.1,
+                   "rollout/time_s": seconds["rollout"], "rollout/time_generate_s": 0.6 * seconds["rollout"],
+                   "rollout/time_env_s": 0.1 * seconds["rollout"], "rollout/overhead_share": 0.3}
+        rows.append(iteration_row(i, timer, rollout, {}, tokens=100.0, elapsed=elapsed, successes=[0.5] * (i + 1),
+                                  restarts=0))
+    return rows
+
+
+def test_phase_seconds_are_stacked_per_iteration_and_add_up_to_it(tmp_path):
+    phases = [{"rollout": 2.0, "advantages": 0.1, "update": 1.0, "weight_sync": 0.2},
+              {"rollout": 1.5, "advantages": 0.1, "update": 1.2, "weight_sync": 0.2, "validation": 3.0},
+              {"rollout": 1.0, "advantages": 0.1, "update": 0.9, "weight_sync": 0.2, "checkpoint": 2.5}]
+    rows = driver_rows(phases, [3.5, 6.5, 5.0])
+    drawn = plot_runs(load_runs([write_run(tmp_path, "run", rows)]), tmp_path / "p.png")
+    (stack,) = drawn.phases
+    assert stack.label == "run" and stack.iterations == [0, 1, 2]
+    # bottom to top; generate and env are parts of the rollout, not phases of their own
+    assert list(stack.seconds) == ["time/rollout", "time/advantages", "time/update", "time/weight_sync",
+                                   "time/validation", "time/checkpoint", "time/other"]
+    assert stack.seconds["time/validation"] == [0.0, 3.0, 0.0] and stack.seconds["time/checkpoint"] == [0, 0, 2.5]
+    tops = [sum(values[i] for values in stack.seconds.values()) for i in range(3)]
+    assert [row["time/iteration"] for row in rows] == [3.5, 6.5, 5.0]
+    assert tops == pytest.approx([3.5, 6.5, 5.0])
+    # drawn as bars, one per iteration and phase that ran, each starting where the one below ended
+    axes = drawn.figure.axes[-1]
+    assert axes.get_title() == "run: seconds per phase"
+    bars = [(round(p.get_x() + p.get_width() / 2), p.get_y(), p.get_height()) for p in axes.patches if p.get_height()]
+    for i, top in enumerate(tops):
+        mine = sorted((y, h) for x, y, h in bars if x == i)
+        assert mine[0][0] == 0 and all(a[0] + a[1] == pytest.approx(b[0]) for a, b in zip(mine, mine[1:]))
+        assert mine[-1][0] + mine[-1][1] == pytest.approx(top)
+
+
+def test_phase_stack_of_a_seed_group_is_the_mean_and_an_absent_phase_counts_zero(tmp_path):
+    a = driver_rows([{"rollout": 2.0, "update": 1.0}, {"rollout": 2.0, "update": 1.0, "validation": 4.0}], [3.0, 7.0])
+    b = driver_rows([{"rollout": 1.0, "update": 3.0}], [4.0])  # stopped after iteration 0, never validated
+    drawn = plot_runs(load_runs([write_run(tmp_path, "x-seed0", a), write_run(tmp_path, "x-seed1", b)]),
+                      tmp_path / "p.png", average_seeds=True)
+    (stack,) = drawn.phases
+    assert stack.label == "x (2 seeds)" and stack.iterations == [0]
+    assert stack.seconds["time/rollout"] == [1.5] and stack.seconds["time/update"] == [2.0]
+    assert stack.seconds["time/validation"] == [0.0]
+
+
+def test_every_line_is_in_its_legend_and_iterations_are_whole_numbers(tmp_path):
+    runs = load_runs([write_run(tmp_path, "a", make_rows([0.0, 0.5, 1.0])),
+                      write_run(tmp_path, "b", make_rows([0.5, 0.5, 0.5]))])
+    drawn = plot_runs(runs, tmp_path / "p.png")
+    metric_axes = drawn.figure.axes[:len(drawn.panels)]
+    for axes, (key, curves) in zip(metric_axes, drawn.panels.items()):
+        lines = [line.get_label() for line in axes.get_lines()]
+        assert len(lines) == len(curves) and not any(label.startswith("_") for label in lines), key
+        assert [t.get_text() for t in axes.get_legend().get_texts()] == lines, key
+        ticks = [t for t in axes.get_xticks() if axes.get_xlim()[0] <= t <= axes.get_xlim()[1]]
+        assert ticks and all(t == int(t) for t in ticks), (key, ticks)  # 3 iterations: no 0.25, 0.5, ...
+    success = [line.get_label() for line in metric_axes[0].get_lines()]
+    assert success == ["a: 3-iteration average", "a: per iteration", "b: 3-iteration average", "b: per iteration"]
+    for axes in drawn.figure.axes[len(drawn.panels):]:  # the phase panels
+        assert {t.get_text() for t in axes.get_legend().get_texts()} == {"rollout", "update", "weight_sync",
+                                                                         "validation"}
+        assert all(t == int(t) for t in axes.get_xticks())
+
+
+def count_color(png, rgb, tolerance=40) -> int:
+    import numpy as np
+
+    with Image.open(png) as image:
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+    return int((np.abs(pixels - np.array(rgb)).sum(axis=-1) < tolerance).sum())
+
+
+def test_runs_with_the_same_values_both_show(tmp_path):
+    """Drawn over the first run, a second with the same values must leave the first
+    visible (not hide it, as one solid line of equal width over another did)."""
+    from matplotlib.colors import to_rgb
+
+    rows = [{k: v for k, v in row.items() if not k.startswith("time/")} for row in make_rows([0.1, 0.4, 0.3, 0.9])]
+    first = [round(255 * c) for c in to_rgb("C0")]
+    alone = plot_runs(load_runs([write_run(tmp_path, "first", rows)]), tmp_path / "alone.png",
+                      keys=["train/episode_length"])
+    both = plot_runs(load_runs([tmp_path / "first", write_run(tmp_path, "second", rows)]), tmp_path / "both.png",
+                     keys=["train/episode_length"])
+    assert both.panels["train/episode_length"][0].y == both.panels["train/episode_length"][1].y
+    assert alone.figure.axes[0].get_lines()[0].get_color() == "C0"
+    # the first run's colour still covers a good part of what it covered alone
+    assert count_color(tmp_path / "both.png", first) > 0.2 * count_color(tmp_path / "alone.png", first)
