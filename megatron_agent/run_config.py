@@ -7,8 +7,9 @@
 placement.py, ...). configs/*.yaml fill it (configs/config.yaml lists `run_schema`, this
 schema, first). Everything is checked here, before any process starts: an unknown key, a
 value of the wrong type, an unknown group option, and combinations that cannot work
-(GiGPO with groups of one, an env config field the env does not have...) raise
-`ConfigError` naming the key.
+(GiGPO with groups of one, an env config field the env does not have, a prompt budget over
+the model's context, a tokenizer with no tokens for the env's words...) raise `ConfigError`
+naming the key.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class RunConfig:
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
     env: str = "numberline"
     env_config: dict = field(default_factory=dict)  # fields of the env's config dataclass
+    # Run although the tokenizer has no tokens for some of the env's words (they reach the
+    # model as its unknown token): refused otherwise, before anything starts.
+    allow_unknown_tokens: bool = False
     # Where the env copies step: "inline" (in rank 0's process), "process" (a pool of
     # worker processes), "ray" (Ray actors); env_workers: how many (None: one per CPU).
     env_backend: str = "process"
@@ -157,7 +161,7 @@ def validate_run_config(run: RunConfig) -> None:
     try:  # one copy, to run the env's own checks of its values
         from envs.registry import make_env
 
-        make_env(run.env, dict(run.env_config))
+        env_copy = make_env(run.env, dict(run.env_config))
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:  # a missing extra or data folder too
         raise ConfigError(f"env_config ({run.env}): {err}") from None
     for key in ("num_groups", "group_size", "iterations"):
@@ -185,6 +189,8 @@ def validate_run_config(run: RunConfig) -> None:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)
     validate_quantized_rollout(run)
+    validate_prompt_fits_context(run)
+    validate_tokenizer_reads_the_env(run, env_copy)
 
 
 def validate_placement(run: RunConfig) -> None:
@@ -269,6 +275,101 @@ def validate_images_reach_the_model(run: RunConfig, hf: dict) -> None:
             f"model_type={hf.get('model_type')!r}) has no vision tower: use a vision-language model "
             "(model=qwen3-vl-30b-a3b, model=qwen3-vl-8b, tiny_model.family=qwen3_vl), or "
             "env_config.render_image=false / loop.prompt.max_images=0 for text-only prompts")
+
+
+# ---- what the rollout would hit: the prompt budget against the context, the tokenizer ----
+
+SAMPLE_SEEDS = 3  # resets whose observations the tokenizer check reads
+
+
+def validate_prompt_fits_context(run: RunConfig) -> None:
+    """A prompt (at most loop.prompt.max_prompt_tokens) plus the most tokens a response may
+    add must fit the model's context: the engines refuse a longer request."""
+    hf = model_hf_config(run)
+    context = hf.get("max_position_embeddings")
+    if run.engine.server == "sglang":
+        context = _server_arg(run.engine.server_args, "--context-length", context)
+    if context is None:
+        return
+    responses = [("loop.sampling.max_new_tokens", run.loop.sampling.max_new_tokens)]
+    if run.val_every:
+        responses.append(("loop.validation.sampling.max_new_tokens", run.loop.validation.sampling.max_new_tokens))
+    key, new_tokens = max(responses, key=lambda kv: kv[1])
+    prompt = run.loop.prompt.max_prompt_tokens
+    if prompt + new_tokens > context:
+        model = run.model_dir or "the tiny model (tiny_model.*)"
+        fix = (f"set loop.prompt.max_prompt_tokens={context - new_tokens} or less (or lower {key})"
+               if new_tokens < context else f"set {key} well below {context}")
+        raise ConfigError(
+            f"loop.prompt.max_prompt_tokens={prompt} plus {key}={new_tokens} exceed the context of {model}, "
+            f"{context} tokens (max_position_embeddings): the engines would refuse the longest prompts mid-run; "
+            f"{fix}")
+
+
+def validate_tokenizer_reads_the_env(run: RunConfig, env_copy) -> None:
+    """The prompts the agent loop builds for this env (its instructions, the prompt's own
+    words, the observations of a few resets) have no word the tokenizer lacks a token for.
+    A tokenizer without an unknown token (byte-level BPE: every text encodes) passes
+    unread; the observations are read only when the fixed text passes."""
+    if run.allow_unknown_tokens:
+        return
+    tokenizer = run_tokenizer(run)
+    if tokenizer is None or tokenizer.unk_token_id is None or not tokenizer.is_fast:
+        return
+    found = _unknown_words(run, tokenizer, [""])
+    if not found:
+        found = _unknown_words(run, tokenizer, [env_copy.reset(seed).text for seed in range(SAMPLE_SEEDS)])
+    if found:
+        shown = ", ".join(repr(w) for w in found[:12]) + (f" and {len(found) - 12} more" if len(found) > 12 else "")
+        if run.model_dir is None:
+            fix = ("set tiny_model.tokenizer=bpe (byte-level: any text encodes)" if run.tiny_model.tokenizer != "bpe"
+                   else "choose another tiny_model.tokenizer")
+            whose = f"tiny_model.tokenizer={run.tiny_model.tokenizer!r}"
+        else:
+            fix, whose = "use a model whose tokenizer covers the text", f"the tokenizer of {run.model_dir}"
+        raise ConfigError(
+            f"env={run.env}: {whose} has no token for {shown} in the env's prompts, so the model could neither "
+            f"read nor write them; {fix}, or allow_unknown_tokens=true to run with them unknown")
+
+
+def run_tokenizer(run: RunConfig):
+    """The tokenizer the run's engines and trainer load: the tiny model's (made from its
+    settings, as prepare_run_dir writes it) or model_dir's; None where model_dir has none."""
+    from megatron_agent.models.tiny import VISION_FAMILIES, build_tokenizer
+
+    if run.model_dir is None:
+        return build_tokenizer(run.tiny_model.tokenizer, vision=run.tiny_model.family in VISION_FAMILIES)
+    if not any((Path(run.model_dir) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(run.model_dir)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model_dir={run.model_dir!r}: its tokenizer does not load ({err})") from None
+
+
+def _unknown_words(run: RunConfig, tokenizer, observations: list[str]) -> list[str]:
+    """The pieces of text the tokenizer encodes as its unknown token, in the prompts
+    rollout/prompts.py builds around these observations (with a full history), in order."""
+    from envs.registry import get_spec, make_config
+    from rollout.memory import StepRecord, memory_factory
+    from rollout.prompts import build_messages
+
+    describe = getattr(get_spec(run.env).env_cls, "instructions_for", None)
+    instructions = describe(make_config(run.env, dict(run.env_config))) if describe is not None else ""
+    prompt = run.loop.prompt
+    found: dict[str, None] = {}
+    for observation in observations:
+        memory = memory_factory(prompt.memory, prompt.history_length)()
+        for step in range(1, prompt.history_length + 2):  # a full window (and a summary's digest)
+            memory.store(StepRecord(step, observation, "", 0.0, True))
+        for message in build_messages(instructions, observation, memory.render(None), prompt.history_length + 2,
+                                      prompt):
+            encoded = tokenizer.backend_tokenizer.encode(message["content"], add_special_tokens=False)
+            found.update((message["content"][a:b], None) for token, (a, b) in zip(encoded.ids, encoded.offsets)
+                         if token == tokenizer.unk_token_id)
+    return list(found)
 
 
 def model_hf_config(run: RunConfig) -> dict:

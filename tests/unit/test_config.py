@@ -123,3 +123,53 @@ def test_engines_beyond_loopback_need_a_key_before_anything_starts(monkeypatch):
     load_run_config(["engine.host=0.0.0.0"])
     monkeypatch.delenv("MEGATRON_AGENT_ENGINE_TOKEN")
     load_run_config(["engine.host=0.0.0.0", "engine.urls=[http://10.1.2.3:30000]"])  # a fleet started elsewhere
+
+
+# ---- what the rollout would hit, refused before anything starts (issue 33) ----------------
+
+def test_a_prompt_budget_over_the_models_context_is_refused_naming_the_fix():
+    """WebShop's full-size prompt budget (configs/env/webshop.yaml, for 32k-context models) on
+    the tiny model, whose context is 2048 (hf_config_for's max_position_embeddings): a 4096-
+    token budget plus 512 new tokens used to fail mid-rollout with the engine's HTTP 400."""
+    from megatron_agent.models.tiny import hf_config_for
+
+    shipped = OmegaConf.load(CONFIG_DIR / "env" / "webshop.yaml").loop
+    budget, new = shipped.prompt.max_prompt_tokens, shipped.sampling.max_new_tokens
+    context = hf_config_for("qwen3")["max_position_embeddings"]
+    assert budget + new > context  # the issue's numbers: 4096 + 512 against 2048
+    full_size = ["env=webshop", "tiny_model.tokenizer=bpe", f"loop.prompt.max_prompt_tokens={budget}",
+                 f"loop.sampling.max_new_tokens={new}"]
+    with pytest.raises(ConfigError, match=re.escape(
+            f"loop.prompt.max_prompt_tokens={budget} plus loop.sampling.max_new_tokens={new} exceed the context of "
+            f"the tiny model (tiny_model.*), {context} tokens") + f".*set loop.prompt.max_prompt_tokens={context - new}"):
+        load_run_config(full_size)
+    assert load_run_config([*full_size, f"loop.prompt.max_prompt_tokens={context - new}"]).env == "webshop"
+    # validation's own max_new_tokens counts when validation runs
+    with pytest.raises(ConfigError, match=re.escape("loop.validation.sampling.max_new_tokens=1000 exceed")):
+        load_run_config(["val_every=1", "loop.validation.sampling.max_new_tokens=1000",
+                         f"loop.prompt.max_prompt_tokens={context - 999}"])
+    load_run_config(["val_every=0", "loop.validation.sampling.max_new_tokens=1000",
+                     f"loop.prompt.max_prompt_tokens={context - 999}"])
+
+
+def test_a_tokenizer_that_cannot_read_the_env_is_refused_naming_the_fix(tiny_model_dir):
+    """The word-level tiny tokenizer knows the NumberLine job's words (JOB_WORDS) only: the
+    Search instructions' first word 'Answer' is not one; numbers above 20 in NumberLine's
+    observations are not either (read from three resets). Byte-level BPE encodes any text."""
+    from megatron_agent.models.tiny import JOB_WORDS
+
+    assert "Answer" not in JOB_WORDS and "25" not in JOB_WORDS and "20" in JOB_WORDS
+    with pytest.raises(ConfigError, match=r"env=search: tiny_model.tokenizer='words' has no token for 'Answer', .*"
+                                          r"set tiny_model.tokenizer=bpe"):
+        load_run_config(["env=search", "tiny_model.tokenizer=words"])
+    assert load_run_config(["env=search", "tiny_model.tokenizer=bpe"]).tiny_model.tokenizer == "bpe"
+    with pytest.raises(ConfigError, match=r"env=numberline: .* no token for .*'25'"):
+        load_run_config(["env_config.max_position=30"])
+    load_run_config(["env_config.max_position=20"])
+    run = load_run_config(["env=search", "tiny_model.tokenizer=words", "allow_unknown_tokens=true"])
+    assert run.allow_unknown_tokens
+    # a model directory's own tokenizer: a word-level one is read, a byte-level one passes
+    words = tiny_model_dir("qwen3", tokenizer="words")
+    with pytest.raises(ConfigError, match=f"the tokenizer of {re.escape(str(words))} has no token for 'Answer'"):
+        load_run_config(["env=search", f"model_dir={words}"])
+    load_run_config(["env=search", f"model_dir={tiny_model_dir('qwen3')}"])

@@ -1,6 +1,7 @@
 """The layering of configs/: the files composed together (config.yaml's own body and the
 selected option of each group) never set the same key, so each is authoritative for what
-it sets; only an experiment (+experiment=NAME) overrides, and it comes last.
+it sets; two layers override on purpose: an env's settings for one machine
+(env_on_backend/ENV_BACKEND.yaml, after the groups) and an experiment (+experiment=NAME, last).
 
 Checked for every combination of group options from the YAML files themselves (cheap),
 then each file is resolved through Hydra at least once and every key it sets must arrive
@@ -69,8 +70,18 @@ def file_keys(path, group=None):
 BODY = file_keys(CONFIG_DIR / "config.yaml")
 KEYS = {(group, option): file_keys(CONFIG_DIR / group / f"{option}.yaml", group)
         for group in (*GROUPS, "experiment") for option in (OPTIONS.get(group) or EXPERIMENTS)}
-DEFAULTS = {group: option for entry in OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml").defaults)
-            if isinstance(entry, dict) for group, option in entry.items()}
+DEFAULTS_LIST = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml").defaults)
+DEFAULTS = {group: option for entry in DEFAULTS_LIST if isinstance(entry, dict) for group, option in entry.items()
+            if not group.startswith("optional ")}
+# An env's settings for one machine (env_on_backend/sokoban_cpu.yaml): chosen by the env and
+# backend options, composed after the groups and over them where they differ.
+SPECIAL = "env_on_backend"
+SPECIALIZED = {p.stem: file_keys(p) for p in (CONFIG_DIR / SPECIAL).glob("*.yaml")}
+
+
+def specialization(selection):
+    name = f"{selection['env']}_{selection['backend']}"
+    return f"{SPECIAL}/{name}.yaml", SPECIALIZED.get(name, {})
 
 
 def overlap(a, b):
@@ -81,6 +92,14 @@ def overlap(a, b):
 def test_the_defaults_list_names_every_group():
     assert set(DEFAULTS) == set(GROUPS)
     assert all(DEFAULTS[group] in OPTIONS[group] for group in GROUPS)
+    # after every group, so that it overrides them; optional: most pairs have none
+    assert DEFAULTS_LIST[-1] == {f"optional {SPECIAL}": "${env}_${backend}"}
+
+
+def test_each_env_on_backend_file_names_an_env_option_and_a_backend_option():
+    pairs = {f"{e}_{b}" for e in OPTIONS["env"] for b in OPTIONS["backend"]}
+    assert SPECIALIZED and set(SPECIALIZED) <= pairs, sorted(set(SPECIALIZED) - pairs)
+    assert not any(name.endswith("_gpu") for name in SPECIALIZED)  # the GPU presets: the env files as shipped
 
 
 def test_no_two_composed_files_set_the_same_key():
@@ -147,6 +166,9 @@ SELECTIONS = (
     [{**DEFAULTS, "algorithm": a} for a in OPTIONS["algorithm"]]
     + [{**DEFAULTS, "env": e, **({"model": "qwen3-vl-8b"} if e in IMAGE_ENVS else {})} for e in OPTIONS["env"]]
     + [{**DEFAULTS, "model": m, "backend": b} for m in OPTIONS["model"] for b in OPTIONS["backend"]]
+    # every env at full size: on the GPU backend with a cluster model, no env_on_backend file
+    + [{**DEFAULTS, "env": e, "backend": "gpu", "model": "qwen3-vl-8b" if e in IMAGE_ENVS else "qwen3-8b"}
+       for e in OPTIONS["env"]]
 )
 
 
@@ -162,9 +184,12 @@ def appworld_in_place(tmp_path, monkeypatch):
 @pytest.mark.parametrize("selection", SELECTIONS, ids=lambda s: "-".join(s[g] for g in GROUPS))
 def test_every_file_is_authoritative_for_what_it_sets(selection, model_dirs):
     resolved = resolve(selection, model_dirs)
-    assert_arrives(resolved, "config.yaml", BODY, model_dirs)
+    special_name, special = specialization(selection)
+    assert_arrives(resolved, special_name, special, model_dirs)
+    assert_arrives(resolved, "config.yaml", BODY, model_dirs, overridden=special)
     for group in GROUPS:
-        assert_arrives(resolved, f"{group}/{selection[group]}.yaml", KEYS[group, selection[group]], model_dirs)
+        assert_arrives(resolved, f"{group}/{selection[group]}.yaml", KEYS[group, selection[group]], model_dirs,
+                       overridden=special)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -306,7 +331,7 @@ def test_vlm_presets_resolve_for_visual_sokoban(model_dirs):
 
 
 def test_an_image_env_refuses_a_text_model_and_a_vlm_takes_a_text_env(model_dirs):
-    for text_model in (["model=tiny"], ["model=qwen3-30b-a3b", "backend=gpu", f"model_dir={model_dirs['qwen3-30b-a3b']}",
+    for text_model in (["model=tiny", "tiny_model.family=qwen3"], ["model=qwen3-30b-a3b", "backend=gpu", f"model_dir={model_dirs['qwen3-30b-a3b']}",
                                         "placement.trainer_ranks=16"]):
         with pytest.raises(ConfigError, match="render_image=true puts images in the prompts.*no vision tower"):
             load_run_config([*text_model, "env=sokoban-visual"])
@@ -337,7 +362,7 @@ def test_a_tiny_vlm_is_a_run_configs_model_and_made_in_the_run_dir(tmp_path):
         load_run_config(["tiny_model.family=gpt2"])
     prepare_run_dir(run)
     made = json.loads((tmp_path / "model" / "megatron_agent.json").read_text())
-    assert (made["family"], made["seed"], made["tokenizer"]) == ("qwen3_vl", 3, "words")
+    assert (made["family"], made["seed"], made["tokenizer"]) == ("qwen3_vl", 3, "bpe")  # env_on_backend/
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["model_type"] == "qwen3_vl" and config["text_config"]["num_hidden_layers"] == 2
     assert (tmp_path / "model" / "preprocessor_config.json").is_file()
