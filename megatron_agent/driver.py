@@ -26,7 +26,7 @@ from megatron_agent.iteration_metrics import PhaseTimer, iteration_row
 from megatron_agent.placement import launch
 from megatron_agent.progress import ProgressReporter, progress_path
 from megatron_agent.rollout_ahead import RolloutAhead
-from megatron_agent.run_config import RunConfig
+from megatron_agent.run_config import ConfigError, RunConfig, env_copies_memory_problem
 from megatron_agent.run_dir import (
     MetricsLog,
     actor_checkpoint_dir,
@@ -105,6 +105,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
         fleet = EngineFleet(config, engine_model_dir_of(config), actor, leader=leader, launch_engines=launch_engines)
         if leader:
             metrics_log = MetricsLog(run_dir, history)
+            refuse_copies_that_do_not_fit(config)
             envs = env_manager(config, config.num_groups, config.group_size)
             if config.val_every:
                 val_envs = env_manager(config, config.loop.validation.num_episodes, 1)
@@ -200,6 +201,17 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
             if part is not None:
                 part.close()
     return history if leader else []
+
+
+def refuse_copies_that_do_not_fit(config: RunConfig) -> None:
+    """Under Ray the env copies run on rank 0's node, which the launcher's config check
+    (run_config.validate_run_config, launcher=local) cannot see: check them here."""
+    import psutil
+
+    if config.placement.launcher != "local":
+        problem = env_copies_memory_problem(config, psutil.virtual_memory().available)
+        if problem:
+            raise ConfigError(problem)
 
 
 def env_manager(config: RunConfig, num_groups: int, group_size: int):

@@ -191,6 +191,22 @@ def validate_run_config(run: RunConfig) -> None:
     validate_quantized_rollout(run)
     validate_prompt_fits_context(run)
     validate_tokenizer_reads_the_env(run, env_copy)
+    if run.placement.launcher == "local":  # the copies run on this machine (under Ray: the driver checks)
+        import psutil
+
+        problem = env_copies_memory_problem(run, psutil.virtual_memory().available)
+        if problem:
+            raise ConfigError(problem)
+
+
+def env_copies_memory_problem(run: RunConfig, available_bytes: int) -> str | None:
+    """Why the run's environment copies (training groups, and the validation episodes when
+    it validates) would not fit in `available_bytes` (None: they fit, or the env's copies
+    declare no cost: envs.registry.memory_problem)."""
+    from envs.registry import make_config, memory_problem
+
+    copies = run.num_groups * run.group_size + (run.loop.validation.num_episodes if run.val_every else 0)
+    return memory_problem(make_config(run.env, dict(run.env_config)), copies, available_bytes)
 
 
 def validate_placement(run: RunConfig) -> None:

@@ -173,3 +173,20 @@ def test_a_tokenizer_that_cannot_read_the_env_is_refused_naming_the_fix(tiny_mod
     with pytest.raises(ConfigError, match=f"the tokenizer of {re.escape(str(words))} has no token for 'Answer'"):
         load_run_config(["env=search", f"model_dir={words}"])
     load_run_config(["env=search", f"model_dir={tiny_model_dir('qwen3')}"])
+
+
+def test_env_copies_that_would_not_fit_this_machine_are_refused(tmp_path, monkeypatch):
+    """`env=appworld` at 16 x 8 copies (one AppWorld server process each) ran a 24 GiB machine
+    out of memory before its first iteration (issue 33); the run is refused before any
+    process starts, naming the fix, and the fix loads."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    (tmp_path / "appworld" / "data" / "tasks").mkdir(parents=True)
+    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path / "appworld"))
+    monkeypatch.setenv("MEGATRON_AGENT_APPWORLD_PYTHON", sys.executable)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * 2**30, total=24 * 2**30))
+    with pytest.raises(ConfigError, match=r"128 env copies .* lower num_groups or group_size"):
+        load_run_config(["env=appworld", "num_groups=16", "group_size=8", "val_every=0"])
+    load_run_config(["env=appworld", "num_groups=4", "group_size=4", "val_every=0"])
