@@ -31,6 +31,7 @@ from envs.appworld import (
     parse_code_action,
 )
 from tests.integration.envs.env_job import train_two_iterations
+from tests.process_tree import alive_under
 
 pytestmark = pytest.mark.slow  # each AppWorld process spends ~7 s CPU building its apps' routes
 
@@ -142,21 +143,6 @@ def test_the_cpu_job_runs_two_iterations_on_appworld(appworld_python, appworld_r
                          {"APPWORLD_ROOT": str(appworld_root), "MEGATRON_AGENT_APPWORLD_PYTHON": appworld_python})
 
 
-def descendants(roots) -> dict:
-    """{pid: psutil.Process} of `roots` and everything under them that is alive now."""
-    import psutil
-
-    found = {}
-    for root in roots:
-        try:
-            for proc in [root, *root.children(recursive=True)]:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found[proc.pid] = proc
-        except psutil.Error:  # gone meanwhile
-            pass
-    return found
-
-
 def test_nothing_the_trainer_started_outlives_it(appworld_python, appworld_root, tmp_path):
     """SIGKILL the trainer alone (not its process group), as the kernel's OOM killer would,
     while its two env worker processes start their copies' AppWorld servers (three each,
@@ -180,7 +166,7 @@ def test_nothing_the_trainer_started_outlives_it(appworld_python, appworld_root,
         while sum("appworld_server.py" in " ".join(p.cmdline()) for p in started.values() if p.is_running()) < 2:
             assert trainer.poll() is None and time.monotonic() < deadline, \
                 "the trainer started no AppWorld server:\n" + log.read_text()[-3000:]
-            for pid, proc in descendants([root]).items():
+            for pid, proc in alive_under([root]).items():
                 try:
                     proc.cmdline()  # kept while it can be read
                     started.setdefault(pid, proc)
@@ -192,16 +178,16 @@ def test_nothing_the_trainer_started_outlives_it(appworld_python, appworld_root,
 
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
-        deadline, left = time.monotonic() + 5, descendants(started.values())
+        deadline, left = time.monotonic() + 5, alive_under(started.values())
         while left and time.monotonic() < deadline:
             time.sleep(0.1)
-            left = descendants(left.values())  # and anything they started since
+            left = alive_under(left.values())  # and anything they started since
         assert not left, f"alive {time.monotonic() - deadline + 5:.1f} s after the trainer was killed: " + "; ".join(
             f"{pid}: {' '.join(p.cmdline())[:120]}" for pid, p in left.items() if p.is_running())
     finally:
         if trainer.poll() is None:
             trainer.kill()
-        for proc in descendants(started.values()).values():
+        for proc in alive_under(started.values()).values():
             try:
                 proc.kill()
             except psutil.Error:
@@ -232,7 +218,7 @@ def test_a_busy_appworld_server_ends_with_the_process_that_started_it(appworld_p
         server = psutil.Process(int(starter.stdout.readline()))  # its cell is sent: it runs until killed
         os.kill(starter.pid, signal.SIGKILL)
         starter.wait()
-        assert not descendants(wait_gone([server], 5)), "the AppWorld server outlived its parent"
+        assert not alive_under(wait_gone([server], 5)), "the AppWorld server outlived its parent"
     finally:
         starter.kill()
         if server is not None and server.is_running():
@@ -241,7 +227,7 @@ def test_a_busy_appworld_server_ends_with_the_process_that_started_it(appworld_p
 
 def wait_gone(procs, seconds: float) -> list:
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and descendants(procs):
+    while time.monotonic() < deadline and alive_under(procs):
         time.sleep(0.1)
     return procs
 

@@ -17,6 +17,7 @@ import psutil
 
 from envs.base import Observation, make_info
 from envs.registry import register_env
+from tests.process_tree import alive_under
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -53,18 +54,6 @@ def trainer_main() -> None:
         print("workers", *envs.worker_pids(), flush=True)
         while True:
             envs.reset([0, 1, 2, 3])
-
-
-def alive_under(roots: list[psutil.Process]) -> dict[int, psutil.Process]:
-    found = {}
-    for root in roots:
-        try:
-            for proc in [root, *root.children(recursive=True)]:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found[proc.pid] = proc
-        except psutil.Error:
-            pass
-    return found
 
 
 def wait_gone(procs: dict[int, psutil.Process], seconds: float, seen: dict) -> dict[int, psutil.Process]:
