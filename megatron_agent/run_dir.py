@@ -5,6 +5,8 @@
       model/                 the tiny model made on the spot (when model_dir is None)
       engine_model_fp8/      with weight_sync.quantize=fp8: the model as block FP8, what the engines start from
       metrics.jsonl          one JSON row per iteration (rank 0)
+      progress.json          where the current iteration is (phase, episodes, steps, requests in
+                             flight), rewritten by rank 0 at most every 0.5 s (megatron_agent/progress.py)
       tensorboard/           the same rows as TensorBoard scalars
       samples/iter_N.txt     a few episodes as text, every samples_every iterations
       checkpoints/iter_N/    the actor (a dist checkpoint); critic_checkpoints/ alike
