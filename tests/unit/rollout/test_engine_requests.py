@@ -116,7 +116,9 @@ print(json.dumps([accepts(kind, value) for kind, value in json.loads(sys.stdin.r
 def sglang_accepts():
     python = sglang_cpu_python()
     if python is None:
-        pytest.skip("no SGLang venv (make test installs .venv-sglang; or set MEGATRON_AGENT_SGLANG_PYTHON)")
+        # the real SGLang is part of the test set-up (docs/testing.md), never skipped
+        pytest.fail("no SGLang venv: run `make .venv-sglang/.installed` (make test installs it) or set "
+                    "MEGATRON_AGENT_SGLANG_PYTHON to a Python with sglang installed")
     cases = [("sampling", p) for p, _ in SAMPLING_CASES + DELIBERATE] + \
             [("body", b) for b, _ in BODY_CASES + DELIBERATE_BODIES]
     out = subprocess.run([python, "-c", _SGLANG_JUDGE, str(VOCAB)], input=json.dumps(cases), capture_output=True,
