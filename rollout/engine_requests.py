@@ -48,17 +48,26 @@ Where this engine differs, on purpose:
 from __future__ import annotations
 
 import json
-import math
-import reprlib
 import uuid
 from dataclasses import dataclass
 
 import torch
 
 from rollout.embedded_engine import DEFAULT_GROUP, BadRequest, SamplingParams
+from rollout.json_fields import (
+    boolean,
+    describe,
+    integer,
+    listed,
+    number,
+    one_of,
+    optional,
+    required,
+    string,
+    strings,
+)
 from rollout.weight_group import dtype_from_name
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature is greedy
 MAX_STOP_STRINGS = 32  # SGLang's MAX_STOP_COUNT
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default, when the request names none
@@ -81,104 +90,6 @@ _NEUTRAL_NUMBERS = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 
 _NEUTRAL_INTEGERS = {"min_new_tokens": 0, "n": 1, "beam_width": 1}
 _NEUTRAL_EMPTY = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "logit_bias", "watermark", "choice")
 _IGNORED_BOOLS = ("spaces_between_special_tokens", "no_stop_trim")  # the text is decoded whole, nothing trimmed
-
-_brief = reprlib.Repr()
-_brief.maxstring, _brief.maxlong, _brief.maxother, _brief.maxlevel, _brief.maxlist, _brief.maxdict = 40, 30, 40, 1, 3, 3
-
-
-def describe(value) -> str:
-    """A value in an error message: its JSON kind and a short, bounded rendering."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"boolean {'true' if value else 'false'}"
-    kind = {int: "integer", float: "number", str: "string", list: "list", dict: "object"}.get(type(value))
-    return f"{kind or type(value).__name__} {_brief.repr(value)}"
-
-
-def parse_json_object(raw: bytes) -> dict:
-    """A request body -> its JSON object. BadRequest for anything else: not UTF-8, not
-    JSON, an integer longer than Python converts (4300 digits), nesting too deep for the
-    parser (json.loads raises RecursionError: 50,000 '[' did), or a value that is not an
-    object."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise BadRequest("body is nested too deeply to parse") from None
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, the digit limit
-        raise BadRequest(f"body is not JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"body must be a JSON object, got {describe(body)}")
-    return body
-
-
-# -- values ---------------------------------------------------------------------------------
-
-def integer(value, field: str, *, lo: int | None = INT64_MIN, hi: int | None = INT64_MAX) -> int:
-    if type(value) is not int:  # bool is a subclass of int: refused here
-        raise BadRequest(f"{field} must be an integer, got {describe(value)}", field)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
-        raise BadRequest(f"{field} must be an integer {bounds}, got {describe(value)}", field)
-    return value
-
-
-def number(value, field: str) -> float:
-    """A finite JSON number (an integer too), as a float."""
-    if type(value) not in (int, float):
-        raise BadRequest(f"{field} must be a number, got {describe(value)}", field)
-    try:
-        out = float(value)
-    except OverflowError:  # an integer past float range
-        out = math.inf
-    if not math.isfinite(out):
-        raise BadRequest(f"{field} must be a finite number, got {describe(value)}", field)
-    return out
-
-
-def boolean(value, field: str) -> bool:
-    if type(value) is not bool:
-        raise BadRequest(f"{field} must be true or false, got {describe(value)}", field)
-    return value
-
-
-def string(value, field: str, *, non_empty: bool = False, path: bool = False) -> str:
-    if type(value) is not str:
-        raise BadRequest(f"{field} must be a string, got {describe(value)}", field)
-    if non_empty and not value:
-        raise BadRequest(f"{field} must not be empty", field)
-    if path and "\x00" in value:
-        raise BadRequest(f"{field} must not contain a NUL byte", field)
-    return value
-
-
-def one_of(value, field: str, choices: tuple) -> object:
-    if value not in choices or type(value) not in (str, type(None)):
-        raise BadRequest(f"{field} must be one of {', '.join(map(json.dumps, choices))}; got {describe(value)}", field)
-    return value
-
-
-def listed(value, field: str) -> list:
-    if type(value) is not list:
-        raise BadRequest(f"{field} must be a list, got {describe(value)}", field)
-    return value
-
-
-def strings(value, field: str, *, non_empty_items: bool = False) -> list[str]:
-    return [string(v, f"{field}[{i}]", non_empty=non_empty_items) for i, v in enumerate(listed(value, field))]
-
-
-def _get(body: dict, key: str, parse, default=None, *, where: str = ""):
-    """body[key] parsed, or `default` when it is missing or null."""
-    value = body.get(key)
-    return default if value is None else parse(value, f"{where}{key}")
-
-
-def _required(body: dict, key: str, parse, *, where: str = ""):
-    if body.get(key) is None:
-        raise BadRequest(f"missing field {where}{key}", f"{where}{key}")
-    return parse(body[key], f"{where}{key}")
-
 
 # -- /generate --------------------------------------------------------------------------------
 
@@ -212,26 +123,26 @@ def parse_sampling_params(p, field: str, *, prompt_tokens: int, limits: Generati
             raise BadRequest(f"{where}{key} is not a sampling parameter (SGLang's are {', '.join(SAMPLING_KEYS)})",
                              f"{where}{key}")
     for key, neutral in _NEUTRAL_NUMBERS.items():
-        if _get(p, key, number, neutral, where=where) != neutral:
+        if optional(p, key, number, neutral, where=where) != neutral:
             raise _unsupported(where + key, p[key], neutral)
     for key, neutral in _NEUTRAL_INTEGERS.items():
-        if _get(p, key, integer, neutral, where=where) != neutral:
+        if optional(p, key, integer, neutral, where=where) != neutral:
             raise _unsupported(where + key, p[key], neutral)
     for key in _NEUTRAL_EMPTY:
         if p.get(key) not in (None, "", [], {}):
             raise _unsupported(where + key, p[key], None)
     for key in _IGNORED_BOOLS:
-        _get(p, key, boolean, where=where)
-    _get(p, "stream_interval", integer, where=where)  # streaming only: nothing to do here
+        optional(p, key, boolean, where=where)
+    optional(p, "stream_interval", integer, where=where)  # streaming only: nothing to do here
 
-    temperature = _get(p, "temperature", number, 1.0, where=where)
+    temperature = optional(p, "temperature", number, 1.0, where=where)
     if temperature < 0:
         raise BadRequest(f"{where}temperature must be a non-negative finite number, got {describe(p['temperature'])}",
                          where + "temperature")
-    top_p = _get(p, "top_p", number, 1.0, where=where)
+    top_p = optional(p, "top_p", number, 1.0, where=where)
     if not 0.0 < top_p <= 1.0:
         raise BadRequest(f"{where}top_p must be in (0, 1], got {describe(p['top_p'])}", where + "top_p")
-    top_k = _get(p, "top_k", integer, -1, where=where)
+    top_k = optional(p, "top_k", integer, -1, where=where)
     if top_k == 0 or top_k < -1:
         raise BadRequest(f"{where}top_k must be -1 (disable) or at least 1, got {top_k}", where + "top_k")
     stop = p.get("stop")
@@ -240,9 +151,9 @@ def parse_sampling_params(p, field: str, *, prompt_tokens: int, limits: Generati
         if len(stop) > MAX_STOP_STRINGS:
             raise BadRequest(f"{where}stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
                              where + "stop")
-    stop_ids = _get(p, "stop_token_ids", listed, [], where=where)
+    stop_ids = optional(p, "stop_token_ids", listed, [], where=where)
     stop_ids = [integer(t, f"{where}stop_token_ids[{i}]") for i, t in enumerate(stop_ids)]
-    seed = _get(p, "sampling_seed", integer, where=where)
+    seed = optional(p, "sampling_seed", integer, where=where)
     greedy = temperature < GREEDY_BELOW
     max_new_tokens = _max_new_tokens(p.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), "max_new_tokens" not in p,
                                      where + "max_new_tokens", prompt_tokens, limits)
@@ -253,8 +164,8 @@ def parse_sampling_params(p, field: str, *, prompt_tokens: int, limits: Generati
         max_new_tokens=max_new_tokens,
         stop=tuple(stop or ()),
         stop_token_ids=tuple(stop_ids),
-        ignore_eos=_get(p, "ignore_eos", boolean, False, where=where),
-        skip_special_tokens=_get(p, "skip_special_tokens", boolean, True, where=where),
+        ignore_eos=optional(p, "ignore_eos", boolean, False, where=where),
+        skip_special_tokens=optional(p, "skip_special_tokens", boolean, True, where=where),
         sampling_seed=None if greedy else seed,  # greedy takes no seed
     )
 
@@ -318,7 +229,7 @@ def parse_generate(body: dict, limits: GenerationLimits, prompt_tokens: list[int
     for key in ("text", "input_embeds"):
         if body.get(key) is not None:
             raise BadRequest("the embedded engine takes input_ids (no text prompts or embeddings)", key)
-    if _get(body, "stream", boolean, False):
+    if optional(body, "stream", boolean, False):
         raise BadRequest("stream: true is not supported by the embedded engine (one answer per request)", "stream")
     input_ids = body.get("input_ids")
     if input_ids is None:
@@ -350,7 +261,7 @@ def parse_generate(body: dict, limits: GenerationLimits, prompt_tokens: list[int
         except BadRequest as err:
             raise BadRequest(str(err) if n == 1 else f"prompt {i}: {err}", err.field) from None
     logprob = _per_prompt(body.get("return_logprob"), "return_logprob", n)
-    logprob = [_get({"return_logprob": v}, "return_logprob", boolean, False) for v in logprob]
+    logprob = [optional({"return_logprob": v}, "return_logprob", boolean, False) for v in logprob]
     return GenerateRequest(prompts, sampling, rids, single, logprob, body.get("image_data"))
 
 
@@ -385,28 +296,28 @@ class InitGroupRequest:
 def parse_init_group(body: dict, ranks: int) -> InitGroupRequest:
     """SGLang's InitWeightsUpdateGroupReqInput; this engine joins at ranks rank_offset ..
     rank_offset + ranks - 1, which must fit in world_size (rank 0 is the sender)."""
-    address = _required(body, "master_address", lambda v, f: string(v, f, non_empty=True, path=True))
-    port = _required(body, "master_port", lambda v, f: integer(v, f, lo=1, hi=65535))
-    rank_offset = _get(body, "rank_offset", lambda v, f: integer(v, f, lo=1, hi=2**31 - 1), 1)
-    world_size = _required(body, "world_size", lambda v, f: integer(v, f, lo=2, hi=2**31 - 1))
+    address = required(body, "master_address", lambda v, f: string(v, f, non_empty=True, path=True))
+    port = required(body, "master_port", lambda v, f: integer(v, f, lo=1, hi=65535))
+    rank_offset = optional(body, "rank_offset", lambda v, f: integer(v, f, lo=1, hi=2**31 - 1), 1)
+    world_size = required(body, "world_size", lambda v, f: integer(v, f, lo=2, hi=2**31 - 1))
     if rank_offset + ranks > world_size:
         raise BadRequest(f"this engine has {ranks} rank{'s' if ranks != 1 else ''}: rank_offset={rank_offset} and "
                          f"world_size={world_size} leave no room for group ranks {rank_offset}.."
                          f"{rank_offset + ranks - 1} (count the engine's tp_size from /get_server_info)", "world_size")
     group_name = parse_group_name(body)
-    backend = _get(body, "backend", lambda v, f: one_of(v, f, GROUP_BACKENDS), "nccl")
-    timeout_s = _get(body, "timeout_s", number, 300.0)
+    backend = optional(body, "backend", lambda v, f: one_of(v, f, GROUP_BACKENDS), "nccl")
+    timeout_s = optional(body, "timeout_s", number, 300.0)
     if not 0 < timeout_s <= MAX_GROUP_TIMEOUT_S:
         raise BadRequest(f"timeout_s must be in (0, {MAX_GROUP_TIMEOUT_S:g}], got {timeout_s}", "timeout_s")
     return InitGroupRequest(address, port, world_size, rank_offset, group_name, backend, timeout_s)
 
 
 def parse_group_name(body: dict) -> str:
-    return _get(body, "group_name", lambda v, f: string(v, f, non_empty=True), DEFAULT_GROUP)
+    return optional(body, "group_name", lambda v, f: string(v, f, non_empty=True), DEFAULT_GROUP)
 
 
 def parse_selector(body: dict) -> str:
-    return _get(body, "selector", lambda v, f: one_of(v, f, SELECTORS), "all")
+    return optional(body, "selector", lambda v, f: one_of(v, f, SELECTORS), "all")
 
 
 def _update_options(body: dict) -> str | None:
@@ -414,9 +325,9 @@ def _update_options(body: dict) -> str | None:
     to flush, nothing to abort here: checked, then unused), the selector; the weight
     version it sets (None: unchanged)."""
     for key in ("flush_cache", "abort_all_requests", "torch_empty_cache"):
-        _get(body, key, boolean)
+        optional(body, key, boolean)
     parse_selector(body)
-    return _get(body, "weight_version", string)
+    return optional(body, "weight_version", string)
 
 
 @dataclass(frozen=True)
@@ -432,8 +343,8 @@ class DistributedUpdateRequest:
 def parse_distributed_update(body: dict) -> DistributedUpdateRequest:
     """SGLang's UpdateWeightsFromDistributedReqInput: names, dtypes and shapes of one
     bucket, one entry each per tensor."""
-    names = _required(body, "names", lambda v, f: strings(v, f, non_empty_items=True))
-    dtypes = _required(body, "dtypes", strings)
+    names = required(body, "names", lambda v, f: strings(v, f, non_empty_items=True))
+    dtypes = required(body, "dtypes", strings)
     for i, name in enumerate(dtypes):
         try:
             dtype = dtype_from_name(name)
@@ -442,7 +353,7 @@ def parse_distributed_update(body: dict) -> DistributedUpdateRequest:
         if dtype not in WIRE_DTYPES:
             raise BadRequest(f"dtypes[{i}]={describe(name)} is not one of the dtypes weights are sent in "
                              f"({', '.join(str(d).removeprefix('torch.') for d in WIRE_DTYPES)})", f"dtypes[{i}]")
-    shapes = _required(body, "shapes", listed)
+    shapes = required(body, "shapes", listed)
     shapes = [[integer(d, f"shapes[{i}][{j}]", lo=0) for j, d in enumerate(listed(s, f"shapes[{i}]"))]
               for i, s in enumerate(shapes)]
     if not len(names) == len(dtypes) == len(shapes):
@@ -450,7 +361,7 @@ def parse_distributed_update(body: dict) -> DistributedUpdateRequest:
                          "shapes")
     return DistributedUpdateRequest(
         names, dtypes, shapes, parse_group_name(body),
-        _get(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_DISTRIBUTED)), _update_options(body))
+        optional(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_DISTRIBUTED)), _update_options(body))
 
 
 @dataclass(frozen=True)
@@ -463,10 +374,10 @@ class TensorUpdateRequest:
 def parse_tensor_update(body: dict) -> TensorUpdateRequest:
     """SGLang's UpdateWeightsFromTensorReqInput (rollout/weight_tensors.py): one non-empty
     base64 string per engine rank."""
-    serialized = _required(body, "serialized_named_tensors", lambda v, f: strings(v, f, non_empty_items=True))
+    serialized = required(body, "serialized_named_tensors", lambda v, f: strings(v, f, non_empty_items=True))
     if not serialized:
         raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)", "serialized_named_tensors")
-    return TensorUpdateRequest(serialized, _get(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_TENSOR)),
+    return TensorUpdateRequest(serialized, optional(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_TENSOR)),
                                _update_options(body))
 
 
@@ -479,8 +390,8 @@ class DiskUpdateRequest:
 def parse_disk_update(body: dict) -> DiskUpdateRequest:
     """SGLang's UpdateWeightFromDiskReqInput: a directory path (no NUL byte); load_format
     null or "auto" (the checkpoint's own format)."""
-    _get(body, "load_format", lambda v, f: one_of(v, f, (None, "auto")))
-    return DiskUpdateRequest(_required(body, "model_path", lambda v, f: string(v, f, non_empty=True, path=True)),
+    optional(body, "load_format", lambda v, f: one_of(v, f, (None, "auto")))
+    return DiskUpdateRequest(required(body, "model_path", lambda v, f: string(v, f, non_empty=True, path=True)),
                              _update_options(body))
 
 
@@ -489,32 +400,32 @@ def parse_disk_update(body: dict) -> DiskUpdateRequest:
 def parse_memory_tags(body: dict) -> list[str] | None:
     """SGLang's Release/ResumeMemoryOccupationReqInput: tags, a list of strings or null
     (all); which tags exist is the engine's check (engine_memory.memory_tags)."""
-    return _get(body, "tags", strings)
+    return optional(body, "tags", strings)
 
 
 def parse_weights_checksum(body: dict) -> tuple[list[str], bool]:
     """/weights_checksum (not in SGLang): names, a list of HF names; per_rank, a bool."""
-    return _required(body, "names", strings), _get(body, "per_rank", boolean, False)
+    return required(body, "names", strings), optional(body, "per_rank", boolean, False)
 
 
 def parse_weight_version(body: dict) -> str:
     """SGLang's UpdateWeightVersionReqInput: new_version, a string."""
-    _get(body, "abort_all_requests", boolean)
-    return _required(body, "new_version", string)
+    optional(body, "abort_all_requests", boolean)
+    return required(body, "new_version", string)
 
 
 def parse_pause(body: dict) -> str:
     """SGLang's PauseGenerationReqInput: mode abort (default), retract or in_place."""
-    return _get(body, "mode", lambda v, f: one_of(v, f, PAUSE_MODES), "abort")
+    return optional(body, "mode", lambda v, f: one_of(v, f, PAUSE_MODES), "abort")
 
 
 def parse_continue(body: dict) -> None:
     """SGLang's ContinueGenerationReqInput: torch_empty_cache, a bool (nothing to empty here)."""
-    _get(body, "torch_empty_cache", boolean)
+    optional(body, "torch_empty_cache", boolean)
 
 
 def parse_flush_cache(body: dict) -> None:
     """SGLang's FlushCacheReqInput: timeout_s, a number >= 0 (no cache is kept here)."""
-    timeout = _get(body, "timeout_s", number)
+    timeout = optional(body, "timeout_s", number)
     if timeout is not None and timeout < 0:
         raise BadRequest(f"timeout_s must be >= 0, got {timeout}", "timeout_s")

@@ -24,7 +24,7 @@ prompt a list of "data:image/...;base64," strings, one per image pad of its inpu
 files, URLs and anything else answer 400. `meta_info.prompt_tokens` counts the expanded
 ids (each pad repeated its image's token count), as SGLang's does.
 
-Requests (rollout/engine_requests.py): every endpoint parses its body with its schema
+Requests (rollout/engine_requests.py; its field checks: rollout/json_fields.py): every endpoint parses its body with its schema
 before anything is queued or changed (SGLang 0.5.23's types, ranges and defaults; strict
 JSON types). Errors are JSON, `{"success": false, "error": ..., "message": ...,
 "field": ...}` (rollout/engine_http.py), never a traceback (that goes to the log): 400 for
@@ -79,7 +79,6 @@ from rollout.engine_memory import released_problem
 from rollout.engine_ranks import RankedEngine, RanksDisagree, rank_checksums
 from rollout.engine_requests import (
     GenerationLimits,
-    describe,
     parse_continue,
     parse_disk_update,
     parse_distributed_update,
@@ -87,7 +86,6 @@ from rollout.engine_requests import (
     parse_generate,
     parse_group_name,
     parse_init_group,
-    parse_json_object,
     parse_memory_tags,
     parse_pause,
     parse_selector,
@@ -95,6 +93,7 @@ from rollout.engine_requests import (
     parse_weight_version,
     parse_weights_checksum,
 )
+from rollout.json_fields import describe, parse_json_object
 
 log = logging.getLogger("rollout.engine_server")
 
@@ -109,7 +108,7 @@ CONTROL_PATHS = frozenset({
 })
 
 # A route's handler takes the engine and the parsed JSON body and returns the 200 answer;
-# each first parses its body with its schema (rollout/engine_requests.py).
+# each first parses its body with its schema (rollout/engine_requests.py; its field checks: rollout/json_fields.py).
 Handler = Callable[[Engine, dict], object]
 
 

@@ -19,9 +19,9 @@ from rollout.engine_requests import (
     parse_distributed_update,
     parse_generate,
     parse_init_group,
-    parse_json_object,
     parse_sampling_params,
 )
+from rollout.json_fields import parse_json_object
 
 VOCAB = 1000
 LIMITS = GenerationLimits(vocab_size=VOCAB, context_length=512, max_new_tokens_cap=None)
