@@ -38,6 +38,7 @@ from megatron_agent.models.transformer_config import read_hf_config
 from megatron_agent.platform.collectives import all_reduce, broadcast
 from megatron_agent.platform.distributed import control_group
 from megatron_agent.platform.parallel import ParallelConfig
+from megatron_agent.training.adam_steps import adam_steps, materialize_adam_state, set_adam_steps
 from megatron_agent.training.batch import TrainBatch, micro_batch_images, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_agent.training.schedule import (
@@ -402,7 +403,7 @@ class Actor:
         )
         state["scheduler"] = self.scheduler.state_dict()
         state["step"] = self.step
-        state["adam_steps"] = _adam_steps(self.optimizer)
+        state["adam_steps"] = adam_steps(self.optimizer)
         return state
 
     def save(self, directory: str | Path) -> Path:
@@ -451,7 +452,7 @@ class Actor:
                 "and start a new optimizer, or resume with ep on the same side of 1)"
             )
         if self.distributed_optimizer:
-            _materialize_adam_state(self.optimizer)
+            materialize_adam_state(self.optimizer)
         state = self._state(is_loading=True)
         same_layout = saved == self._layout()
         if not same_layout:
@@ -469,7 +470,7 @@ class Actor:
         with torch.no_grad():  # fp32 distributed optimizer: its shards are views of the params
             self.optimizer.load_state_dict(loaded["optimizer"])
         if self.distributed_optimizer:
-            _set_adam_steps(self.optimizer, int(loaded["adam_steps"]))
+            set_adam_steps(self.optimizer, int(loaded["adam_steps"]))
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.step = int(loaded["step"])
         if same_layout:
@@ -481,69 +482,6 @@ class Actor:
 
 # What a rank with no sample runs to join its peers' collectives.
 _IDLE_BATCH = TrainBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1))
-
-
-def _torch_optimizers(optimizer) -> list:
-    """The torch optimizers under Megatron's (chained: experts and the rest) optimizer."""
-    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def _step_per_parameter(torch_optimizer) -> bool:
-    """Where Adam counts its steps. torch's Adam/AdamW (Megatron's on CPU): in every
-    parameter's state. Transformer Engine's and Apex's FusedAdam (Megatron's on GPU when
-    either is installed): in every param group, with a parameter's state holding only
-    exp_avg, exp_avg_sq and master_param (TE's state_dict raises KeyError on any other
-    name: transformer_engine/pytorch/optimizers/fused_adam.py, get_unscaled_state)."""
-    return isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW))
-
-
-def _materialize_adam_state(optimizer) -> None:
-    """Give every parameter of a torch Adam a zero state with its step, as a first step
-    would.
-
-    Without Apex/TE, Megatron's distributed optimizer reads "step" from the torch
-    optimizer's per-parameter state when it builds its state dict
-    (optimizer/distrib_optimizer.py, DistributedOptimizer.state_dict), but its loading
-    path only creates exp_avg/exp_avg_sq for a fresh optimizer, so loading into an
-    optimizer that never stepped fails. The values are overwritten by the load. A
-    FusedAdam needs nothing: Megatron reads its step from the param groups and allocates
-    its state itself when loading (DistributedOptimizer.load_state_dict).
-    """
-    for torch_optimizer in _torch_optimizers(optimizer):
-        if not _step_per_parameter(torch_optimizer):
-            continue
-        for group in torch_optimizer.param_groups:
-            for p in group["params"]:
-                state = torch_optimizer.state[p]
-                if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p.data)
-                    state["exp_avg_sq"] = torch.zeros_like(p.data)
-
-
-def _adam_steps(optimizer) -> int:
-    steps = []
-    for torch_optimizer in _torch_optimizers(optimizer):
-        if _step_per_parameter(torch_optimizer):
-            steps += [float(st["step"]) for st in torch_optimizer.state.values() if "step" in st]
-        else:
-            steps += [float(group["step"]) for group in torch_optimizer.param_groups if "step" in group]
-    return int(max(steps, default=0))
-
-
-def _set_adam_steps(optimizer, steps: int) -> None:
-    """Restore Adam's step count (its bias correction) from the count saved beside the
-    distributed optimizer's "dp_reshardable" checkpoint. Without Apex/TE that checkpoint
-    does not restore torch Adam's per-parameter step (it travels in the runtime param
-    groups, optimizer/distrib_optimizer.py load_state_dict), and the bias correction would
-    restart; a FusedAdam gets its param groups' step from the same saved count."""
-    for torch_optimizer in _torch_optimizers(optimizer):
-        if _step_per_parameter(torch_optimizer):
-            for state in torch_optimizer.state.values():
-                state["step"] = torch.tensor(float(steps))
-        else:
-            for group in torch_optimizer.param_groups:
-                group["step"] = steps
 
 
 def _writer_results_queue_dies_with_us() -> None:

@@ -85,18 +85,6 @@ def _update_job(model_dir: str) -> dict:
             "weights_before": weights_before, "weights_after": weights_after}
 
 
-def _reset_adam_steps(optimizer) -> None:
-    """Adam's step count back to 0, wherever the optimizer keeps it: torch's Adam in each
-    parameter's state, TE's / Apex's FusedAdam in each param group."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for group in inner.optimizer.param_groups:
-            if "step" in group:
-                group["step"] = 0
-        for state in inner.optimizer.state.values():
-            if "step" in state:
-                state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
-
-
 def _resume_job(model_dir: str, checkpoint: str) -> dict:
     from megatron_agent.models import read_hf_config
     from megatron_agent.platform import (
@@ -139,7 +127,9 @@ def _resume_job(model_dir: str, checkpoint: str) -> dict:
     del resumed
     reset = fresh_actor()
     reset.load(f"{checkpoint}/iter_1")
-    _reset_adam_steps(reset.optimizer)
+    from megatron_agent.training.adam_steps import set_adam_steps
+
+    set_adam_steps(reset.optimizer, 0)  # Adam's step back to 0, where the optimizer keeps it
     out["step_reset"] = second_update(reset)
     return out
 

@@ -120,7 +120,8 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         initialize_model_parallel,
         set_seed,
     )
-    from megatron_agent.training.actor import Actor, ActorConfig, _adam_steps, _torch_optimizers
+    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.training.adam_steps import adam_steps, torch_optimizers
 
     hf = read_hf_config(model_dir)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01, entropy_coef=0.01)
@@ -180,9 +181,9 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
             destroy_model_parallel()
             actor = make(dict())
             actor.load(f"{ckpt_root}/{name}/iter_1")
-            results["resumed " + name] = {"adam_steps": _adam_steps(actor.optimizer),
+            results["resumed " + name] = {"adam_steps": adam_steps(actor.optimizer),
                                           "optimizers": sorted({type(o).__name__
-                                                                for o in _torch_optimizers(actor.optimizer)})}
+                                                                for o in torch_optimizers(actor.optimizer)})}
             batch2 = _batch(hf["vocab_size"])
             batch2.old_logprobs = actor.compute_logprobs(batch2)["logprobs"]
             actor.update(batch2)
