@@ -30,7 +30,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 import queue
 import threading
 import traceback
@@ -66,6 +65,7 @@ from rollout.weight_group import (
     destroy_weight_update_group,
     dtype_from_name,
     init_weight_update_group,
+    tensor_nbytes,
     weight_checksum,
 )
 from rollout.weight_tensors import deserialize_named_tensors
@@ -195,6 +195,7 @@ class Engine:
         self.pause_cv = threading.Condition()
         self.paused = False
         self.abort_epoch = 0  # bumped by pause(mode=abort): batches begun before it end aborted
+        self.batch_epoch = 0  # abort_epoch when the worker took its current batch (its re-runs too)
         self.in_update = False
         # the model's state by name during an update, built by its first bucket: parameters
         # keep their objects (a bucket landing elsewhere, a release, re-point `.data`), and
@@ -313,6 +314,7 @@ class Engine:
                     break
             try:
                 self.batch_running = True
+                self.batch_epoch = self.abort_epoch
                 self._run_isolated(batch)
             finally:
                 self.batch_running = False
@@ -366,7 +368,7 @@ class Engine:
     def _run_batch(self, batch: list[Request]) -> None:
         from transformers import DynamicCache
 
-        epoch = self.abort_epoch
+        epoch = self.batch_epoch  # a re-run after a failed batch is aborted with it
         if self._wait_unpaused(epoch):
             for req in batch:
                 self._finish(_make_aborted(req), req)
@@ -398,9 +400,8 @@ class Engine:
         temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
         top_k = torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device)
         top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device)
-        while True:
-            index = torch.tensor(active, device=device)
-            picked, logprobs = sample_tokens(logits, temperature[index], top_k[index], top_p[index], token_uniforms(
+        while True:  # the sampling settings are cut with the rows below, as the cache is
+            picked, logprobs = sample_tokens(logits, temperature, top_k, top_p, token_uniforms(
                 [rows[i].seed for i in active], [len(rows[i].out_ids) for i in active]).to(device))
             picked, logprobs = picked.tolist(), logprobs.tolist()
             tokens = []
@@ -426,6 +427,7 @@ class Engine:
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 mask, next_pos = mask[index], next_pos[index]
+                temperature, top_k, top_p = temperature[index], top_k[index], top_p[index]
                 tokens = [tokens[j] for j in keep]
                 active = [active[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long, device=device)], dim=1)
@@ -565,7 +567,7 @@ class Engine:
             views = self._weight_views(names, keep_vars=True)
             problem = self._load_problem(names, views, shapes)
             if problem:
-                announced = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, torch_dtypes))
+                announced = sum(tensor_nbytes(s, d) for s, d in zip(shapes, torch_dtypes))
                 if announced <= self.weight_bytes:  # so the sender never hangs; a larger one is no bucket of ours
                     receive_tensors(pg, torch_dtypes, shapes, flattened=flattened)
                 raise BadRequest(problem)

@@ -70,7 +70,7 @@ from rollout.weight_group import dtype_from_name
 
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature is greedy
 MAX_STOP_STRINGS = 32  # SGLang's MAX_STOP_COUNT
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default, when the request names none
+DEFAULT_REQUEST_MAX_NEW_TOKENS = 128  # SGLang's default, when the request names none
 MAX_GROUP_TIMEOUT_S = 86400.0
 LOAD_FORMATS_DISTRIBUTED = (None, "direct", "flattened_bucket")
 LOAD_FORMATS_TENSOR = (None, "flattened_bucket")
@@ -155,7 +155,7 @@ def parse_sampling_params(p, field: str, *, prompt_tokens: int, limits: Generati
     stop_ids = [integer(t, f"{where}stop_token_ids[{i}]") for i, t in enumerate(stop_ids)]
     seed = optional(p, "sampling_seed", integer, where=where)
     greedy = temperature < GREEDY_BELOW
-    max_new_tokens = _max_new_tokens(p.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), "max_new_tokens" not in p,
+    max_new_tokens = _max_new_tokens(p.get("max_new_tokens", DEFAULT_REQUEST_MAX_NEW_TOKENS), "max_new_tokens" not in p,
                                      where + "max_new_tokens", prompt_tokens, limits)
     return SamplingParams(
         temperature=0.0 if greedy else temperature,
@@ -186,7 +186,7 @@ def _max_new_tokens(value, absent: bool, field: str, prompt_tokens: int, limits:
                          "tokens or longer", "input_ids")
     room = [n for n in (cap, None if context is None else context - prompt_tokens) if n is not None]
     if value is None:
-        return min(room) if room else DEFAULT_MAX_NEW_TOKENS
+        return min(room) if room else DEFAULT_REQUEST_MAX_NEW_TOKENS
     if absent:
         return min([value, *room])
     if type(value) is not int or value < 0:
