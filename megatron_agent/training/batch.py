@@ -21,9 +21,11 @@ batch leaves all three None.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 # What FP8 GEMMs want the token dimension a multiple of, by recipe (megatron-core 0.16.1's
@@ -152,35 +154,62 @@ class TrainBatch:
     @classmethod
     def from_sequences(
         cls,
-        prompts: list[list[int]],
-        responses: list[list[int]],
+        prompts: list,
+        responses: list,
         *,
         pad_id: int = 0,
         advantages=None,
-        rollout_logprobs: list[list[float]] | None = None,
+        rollout_logprobs: list | None = None,
         temperature: float = 1.0,
         images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ) -> TrainBatch:
-        """Pack prompt/response id lists; rollout logprobs (one per response token) are
-        placed on the target positions of their tokens. `images`: per sequence, None or
-        (pixel_values [p, D], image_grid_thw [n, 3]) of its prompt's images in text order."""
-        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        width = max(lengths)
-        tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width - 1)
-        rollout = torch.zeros(len(prompts), width - 1) if rollout_logprobs is not None else None
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            if not p:
+        """Pack prompt/response ids (per sequence a list of ints or a 1-D integer array);
+        rollout logprobs (per sequence a list or array, one per response token) are placed
+        on the target positions of their tokens. `images`: per sequence, None or
+        (pixel_values [p, D], image_grid_thw [n, 3]) of its prompt's images in text order.
+        All ids go into one array, then into the padded tensor where a mask of the real
+        positions says (row-major, so in sequence order); the logprobs likewise."""
+        n = len(prompts)
+        if len(responses) != n or (rollout_logprobs is not None and len(rollout_logprobs) != n):
+            raise ValueError(f"{n} prompts, {len(responses)} responses"
+                             + (f", {len(rollout_logprobs)} rollout logprob lists" if rollout_logprobs is not None else ""))
+        if n == 0:
+            raise ValueError("no sequences to pack")
+        prompt_lengths = np.fromiter(map(len, prompts), np.int64, n)
+        response_lengths = np.fromiter(map(len, responses), np.int64, n)
+        bad = prompt_lengths == 0
+        if rollout_logprobs is not None:
+            bad |= np.fromiter(map(len, rollout_logprobs), np.int64, n) != response_lengths
+        if bad.any():  # the first bad sequence, as a sequence-by-sequence check would find it
+            i = int(np.argmax(bad))
+            if prompt_lengths[i] == 0:
                 raise ValueError(f"sequence {i} has an empty prompt")
-            tokens[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r))
-            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
-            if rollout is not None:
-                if len(rollout_logprobs[i]) != len(r):
-                    raise ValueError(f"sequence {i}: {len(rollout_logprobs[i])} rollout logprobs for {len(r)} tokens")
-                rollout[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i])
+            raise ValueError(f"sequence {i}: {len(rollout_logprobs[i])} rollout logprobs for {response_lengths[i]} tokens")
+        lengths = prompt_lengths + response_lengths
+        width = int(lengths.max())
+        tokens = torch.full((n, width), pad_id, dtype=torch.long)
+        tokens.numpy()[np.arange(width) < lengths[:, None]] = _one_after_another(
+            [seq for pair in zip(prompts, responses) for seq in pair], np.int64)
+        # target positions of the response tokens: prompt length - 1 onwards
+        columns = np.arange(width - 1)
+        response = torch.from_numpy((columns >= prompt_lengths[:, None] - 1) & (columns < lengths[:, None] - 1))
+        mask = torch.zeros(n, width - 1)
+        mask[response] = 1.0
+        rollout = None
+        if rollout_logprobs is not None:
+            rollout = torch.zeros(n, width - 1)
+            rollout[response] = torch.from_numpy(_one_after_another(list(rollout_logprobs), np.float64)).to(rollout.dtype)
         adv = None if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
         return cls(tokens, mask, advantages=adv, rollout_logprobs=rollout,
-                   lengths=torch.tensor(lengths), temperature=temperature, **pack_images(images, len(prompts)))
+                   lengths=torch.tensor(lengths), temperature=temperature, **pack_images(images, n))
+
+
+def _one_after_another(sequences: list, list_dtype) -> np.ndarray:
+    """The sequences' values in one 1-D array: arrays concatenated as they are (their
+    dtype), lists (Python numbers) read as `list_dtype`."""
+    if all(isinstance(s, np.ndarray) for s in sequences):
+        return np.concatenate(sequences)
+    return np.fromiter(itertools.chain.from_iterable(sequences), list_dtype, sum(map(len, sequences)))
 
 
 PER_TOKEN = ("response_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
@@ -270,15 +299,18 @@ def scatter_batch(whole: TrainBatch | None, dp_size: int) -> TrainBatch:
     return TrainBatch.from_tensors(scatter_to_data_parallel(parts))
 
 
-def scatter_rows(whole: dict[str, torch.Tensor] | None, dp_size: int) -> dict[str, torch.Tensor]:
+def scatter_rows(whole: dict[str, torch.Tensor] | None, dp_size: int,
+                 rows: list | None = None) -> dict[str, torch.Tensor]:
     """The leader's per-sample tensors of the whole batch (None elsewhere) -> this rank's
-    shard rows of each, in the shard's order."""
+    shard rows of each, in the shard's order. `rows` (the leader's): each DP rank's
+    positions in the whole batch, when not `shard_rows`' (rollout workers assign by tokens)."""
     from megatron_agent.platform.distributed import scatter_to_data_parallel
 
     parts = None
     if whole is not None:
         n = len(next(iter(whole.values())))
-        parts = [{k: v[shard_rows(n, r, dp_size)] for k, v in whole.items()} for r in range(dp_size)]
+        rows = rows if rows is not None else [shard_rows(n, r, dp_size) for r in range(dp_size)]
+        parts = [{k: v[torch.as_tensor(rows[r], dtype=torch.long)] for k, v in whole.items()} for r in range(dp_size)]
     return scatter_to_data_parallel(parts)
 
 
