@@ -40,7 +40,6 @@ from megatron_agent.run_dir import (
     rollout_ahead_file,
     write_sample_episodes,
 )
-from megatron_agent.samples import collect_samples, estimate_advantages, policy_staleness, train_batch
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +71,12 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
 
     from megatron_agent.engine_fleet import EngineFleet
     from megatron_agent.platform import from_leader, init_distributed
+    from megatron_agent.rollout_workers import RolloutWorkers
     from megatron_agent.training.actor import Actor
-    from megatron_agent.training.batch import gather_rows, scatter_batch, scatter_rows
+    from megatron_agent.training.batch import gather_rows, scatter_rows
     from megatron_agent.training.checks import batch_rollout_gap, served_vs_trained
     from megatron_agent.training.critic import Critic
+    from megatron_agent.worker_batches import fetch_batch
     from rollout.agent_loop import run_validation
     from rollout.vision import load_image_processor
 
@@ -100,45 +101,48 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
     def shown_as(label: str):
         return reporter.rollout(label) if reporter is not None else None
 
-    fleet = envs = val_envs = metrics_log = None
+    fleet = workers = val_envs = metrics_log = None
     try:
         fleet = EngineFleet(config, engine_model_dir_of(config), actor, leader=leader, launch_engines=launch_engines)
         if leader:
             metrics_log = MetricsLog(run_dir, history)
             refuse_copies_that_do_not_fit(config)
-            envs = env_manager(config, config.num_groups, config.group_size)
+            workers = RolloutWorkers(config, str(model_dir), on_progress=shown_as)
             if config.val_every:
                 val_envs = env_manager(config, config.loop.validation.num_episodes, 1)
-        rollouts = RolloutAhead(fleet, lambda client, i: collect_samples(
-                                    config, envs, client, tokenizer, i, image_processor=image_processor,
-                                    on_progress=shown_as(f"rollout of iteration {i}")),
+        rollouts = RolloutAhead(fleet, lambda client, i: workers.collect(
+                                    i, client.urls, keep_episodes=4 if samples_due(config, i) else 0),
                                 leader=leader, overlap=config.overlap_rollout)
         if first_iteration:
             fleet.sync_weights(first_iteration)  # the engines start from the model on disk
             if config.overlap_rollout:
-                rollouts.restore(first_iteration, load_rollout_ahead(config, first_iteration) if leader else None)
+                ahead = load_rollout_ahead(config, first_iteration) if leader else None
+                rollouts.restore(first_iteration, workers.restore(ahead) if ahead is not None else None)
         successes = [row["train/success_rate"] for row in history]
         start = time.perf_counter()
         for iteration in range(first_iteration, config.iterations):
             timer = PhaseTimer()
             with phase("rollout"):
-                collected = rollouts.take(iteration)
+                collected = rollouts.take(iteration)  # the leader's (no tokens: they stay on the workers)
+                if leader:  # updates between the weights that generated the samples and these
+                    staleness = actor.step - collected.mean_weight_version
                 fleet.release_memory()  # colocated: the engines' memory goes to the actor until the sync
-                if leader:
-                    samples, rollout_metrics, episodes = collected
-                    staleness = policy_staleness(samples, actor.step)
-                batch = scatter_batch(train_batch(samples, tokenizer.pad_token_id, config.loop.sampling.temperature)
-                                      if leader else None, dp)  # this rank's data-parallel shard
+                # this rank's data-parallel shard, with its advantages (but GAE's), from the workers
+                batch = fetch_batch(workers, collected, dp, pad_id=tokenizer.pad_token_id,
+                                    temperature=config.loop.sampling.temperature)
             rollouts.start(iteration + 1)  # overlap_rollout: on the engines' current weights, while this trains
 
-            with phase("advantages"):  # over the whole batch, on the leader
-                values = critic.compute_values(batch) if critic is not None else None  # the shard's
-                whole_values = gather_rows(values, batch) if critic is not None else None
-                advantages = estimate_advantages(samples, config.algorithm, whole_values) if leader else None
-                targets = scatter_rows({"advantages": torch.as_tensor(advantages.advantages, dtype=torch.float32),
-                                        "returns": torch.as_tensor(advantages.returns, dtype=torch.float32)}
-                                       if leader else None, dp)
-                batch.advantages = targets["advantages"]
+            if critic is not None:
+                with phase("advantages"):  # GAE: the critic's values go to the workers that hold the samples
+                    values = critic.compute_values(batch)  # the shard's
+                    whole_values = gather_rows(values, batch)
+                    targets = None
+                    if leader:
+                        advantages, returns = workers.gae_advantages(collected, whole_values.numpy())
+                        targets = {"advantages": torch.as_tensor(advantages, dtype=torch.float32),
+                                   "returns": torch.as_tensor(returns, dtype=torch.float32)}
+                    targets = scatter_rows(targets, dp, rows=collected.positions if leader else None)
+                    batch.advantages = targets["advantages"]
 
             with phase("logprobs"):
                 quantized = config.weight_sync.quantize
@@ -177,16 +181,18 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
 
             if config.save_every and (iteration + 1) % config.save_every == 0:
                 with phase("checkpoint"):
-                    save_checkpoint(run_dir, iteration + 1, actor, critic, rollouts.pending(iteration + 1))
+                    ahead = rollouts.pending(iteration + 1)
+                    save_checkpoint(run_dir, iteration + 1, actor, critic,
+                                    workers.snapshot(ahead) if ahead is not None else None)
 
             stop = False
             if leader:
-                if config.samples_every and iteration % config.samples_every == 0:
-                    write_sample_episodes(run_dir, iteration, episodes[:4])
-                successes.append(rollout_metrics["rollout/success_rate"])
+                if samples_due(config, iteration):
+                    write_sample_episodes(run_dir, iteration, collected.episodes)
+                successes.append(collected.metrics["rollout/success_rate"])
                 metrics["train/policy_staleness"] = staleness
-                row = iteration_row(iteration, timer, rollout_metrics, metrics,
-                                    tokens=float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)),
+                metrics["rollout/worker_restarts"] = float(workers.restarts)
+                row = iteration_row(iteration, timer, collected.metrics, metrics, tokens=float(collected.tokens),
                                     elapsed=time.perf_counter() - start, successes=successes,
                                     restarts=fleet.restarts)
                 history.append(row)
@@ -197,10 +203,15 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
             if from_leader(stop):
                 break
     finally:
-        for part in (reporter, metrics_log, fleet, envs, val_envs):
+        for part in (reporter, metrics_log, fleet, workers, val_envs):
             if part is not None:
                 part.close()
     return history if leader else []
+
+
+def samples_due(config: RunConfig, iteration: int) -> bool:
+    """Whether a few of this iteration's episodes are written to run_dir/samples."""
+    return bool(config.samples_every) and iteration % config.samples_every == 0
 
 
 def refuse_copies_that_do_not_fit(config: RunConfig) -> None:

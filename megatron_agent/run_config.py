@@ -21,6 +21,7 @@ from pathlib import Path
 from megatron_agent.algorithms import AlgorithmConfig
 from megatron_agent.placement import PlacementConfig, validate_colocation
 from megatron_agent.platform.parallel import ParallelConfig
+from megatron_agent.rollout_workers import RolloutWorkersConfig
 from megatron_agent.training.actor import ActorConfig
 from megatron_agent.training.checks import LogprobCheckConfig
 from megatron_agent.weight_sync import WeightSyncConfig
@@ -76,6 +77,7 @@ class RunConfig:
     critic: ActorConfig = field(default_factory=ActorConfig)  # the value model of algorithm=ppo (GAE)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    rollout: RolloutWorkersConfig = field(default_factory=RolloutWorkersConfig)  # who rolls out which groups
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -185,6 +187,14 @@ def validate_run_config(run: RunConfig) -> None:
     if run.overlap_rollout and run.placement.colocate:
         raise ConfigError("overlap_rollout=true with placement.colocate=true: colocated engines give their "
                           "memory to the actor while it trains, so no rollout can run then")
+    try:
+        run.rollout.validate(run.num_groups)
+    except ValueError as err:
+        raise ConfigError(f"rollout.{err}") from None
+    if run.rollout.workers > 1 and run.overlap_rollout:
+        raise ConfigError(f"rollout.workers={run.rollout.workers} with overlap_rollout=true is not supported yet: "
+                          "the rollout ahead would share the workers with this iteration's batch; set "
+                          "rollout.workers=1 or overlap_rollout=false")
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)

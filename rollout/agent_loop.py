@@ -75,6 +75,7 @@ class RolloutResult:
     samples: list[StepSample]  # failed episodes left out when config.drop_failed_episodes
     metrics: dict[str, float]
     episodes: list[list[StepSample]]  # every trajectory's samples in step order, failed included
+    summaries: list[EpisodeSummary] = field(default_factory=list)  # one per episode, in `episodes` order
 
 
 def run_rollout(
@@ -170,39 +171,74 @@ def rollout_result(slots: list[Slot], config: AgentLoopConfig, timeline: Timelin
             s.episode_return = ret
     keep = [t for t, f in zip(episodes, failed) if not (f and config.drop_failed_episodes)]
     samples = sorted((s for t in keep for s in t), key=lambda s: (s.group_id, s.traj_id, s.step_index))
-    metrics = rollout_metrics(episodes, failed)
+    summaries = [summarize_episode(t, f) for t, f in zip(episodes, failed)]
+    metrics = summary_metrics(summaries)
     metrics.update({
         "rollout/time_s": wall,
         "rollout/time_generate_s": timeline.busy(["generate"]),
         "rollout/time_env_s": timeline.busy(["env"]),
         "rollout/overhead_share": 1.0 - timeline.busy(["generate", "env"]) / wall if wall > 0 else 0.0,
     })
-    return RolloutResult(samples=samples, metrics=metrics, episodes=episodes)
+    return RolloutResult(samples=samples, metrics=metrics, episodes=episodes, summaries=summaries)
+
+
+@dataclass(frozen=True)
+class EpisodeSummary:
+    """What the rollout metrics need of one episode: a few numbers, so episodes rolled out
+    in other processes (rollout workers) are summed up without their samples."""
+
+    failed: bool
+    won: bool
+    steps: int
+    episode_return: float
+    task_type: str
+    invalid_steps: int
+    truncated_steps: int
+    clipped_steps: int
+    response_tokens: int
+    prompt_tokens: int
+
+
+def summarize_episode(trajectory: list[StepSample], failed: bool) -> EpisodeSummary:
+    last = trajectory[-1] if trajectory else None
+    return EpisodeSummary(
+        failed=failed, won=bool(last and last.won), steps=len(trajectory),
+        episode_return=float(last.episode_return) if last else 0.0,
+        task_type=last.task_type if last else "",
+        invalid_steps=sum(not s.is_action_valid for s in trajectory),
+        truncated_steps=sum(bool(s.truncated_history) for s in trajectory),
+        clipped_steps=sum(s.finish_reason == "length" for s in trajectory),
+        response_tokens=sum(len(s.response_ids) for s in trajectory),
+        prompt_tokens=sum(len(s.prompt_ids) for s in trajectory))
 
 
 def rollout_metrics(episodes: list[list[StepSample]], failed: list[bool], prefix: str = "rollout/") -> dict:
     """Success rate (won at the last step), episode length and return, invalid-action rate,
     per-env-type success; failed episodes (env copy broke) only counted."""
-    good = [t for t, f in zip(episodes, failed) if t and not f]
-    steps = [s for t in good for s in t]
+    return summary_metrics([summarize_episode(t, f) for t, f in zip(episodes, failed)], prefix)
+
+
+def summary_metrics(summaries: list[EpisodeSummary], prefix: str = "rollout/") -> dict:
+    """`rollout_metrics` from the episodes' summaries (those of several rollouts together)."""
+    good = [e for e in summaries if e.steps and not e.failed]
+    steps = sum(e.steps for e in good)
     m = {
         f"{prefix}num_episodes": float(len(good)),
-        f"{prefix}failed_episodes": float(sum(failed)),
-        f"{prefix}num_samples": float(len(steps)),
+        f"{prefix}failed_episodes": float(sum(e.failed for e in summaries)),
+        f"{prefix}num_samples": float(steps),
     }
     if not good:
         return m
-    m[f"{prefix}success_rate"] = float(np.mean([t[-1].won for t in good]))
-    m[f"{prefix}episode_length"] = float(np.mean([len(t) for t in good]))
-    m[f"{prefix}episode_return"] = float(np.mean([t[-1].episode_return for t in good]))
-    m[f"{prefix}invalid_action_rate"] = float(np.mean([not s.is_action_valid for s in steps]))
-    m[f"{prefix}truncated_history_rate"] = float(np.mean([s.truncated_history for s in steps]))
-    m[f"{prefix}response_length"] = float(np.mean([len(s.response_ids) for s in steps]))
-    m[f"{prefix}prompt_length"] = float(np.mean([len(s.prompt_ids) for s in steps]))
-    m[f"{prefix}response_clipped_rate"] = float(np.mean([s.finish_reason == "length" for s in steps]))
+    m[f"{prefix}success_rate"] = float(np.mean([e.won for e in good]))
+    m[f"{prefix}episode_length"] = float(np.mean([e.steps for e in good]))
+    m[f"{prefix}episode_return"] = float(np.mean([e.episode_return for e in good]))
+    for name, field_name in (("invalid_action_rate", "invalid_steps"), ("truncated_history_rate", "truncated_steps"),
+                             ("response_length", "response_tokens"), ("prompt_length", "prompt_tokens"),
+                             ("response_clipped_rate", "clipped_steps")):
+        m[f"{prefix}{name}"] = float(sum(getattr(e, field_name) for e in good) / steps)
     by_type: dict[str, list[bool]] = defaultdict(list)
-    for t in good:
-        by_type[t[-1].task_type].append(t[-1].won)
+    for e in good:
+        by_type[e.task_type].append(e.won)
     for task, wins in sorted(by_type.items()):
         m[f"{prefix}success_rate/{task}"] = float(np.mean(wins))
     return m

