@@ -11,7 +11,8 @@ own extras (see docs/environments.md). Nothing the model writes may raise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -35,8 +36,29 @@ class Observation:
     # The raw state with no history or prompt: what GiGPO groups identical states on.
     # The text for every built-in env whose text is the whole state (Sokoban and Gym
     # Cards frames are a one-to-one function of it); the image itself where only the
-    # image holds the state (visual_quiz).
+    # image holds the state (visual_quiz). An array anchor leaves the env worker as its
+    # AnchorDigest (`with_anchor_digest`): the digest travels, not the frame.
     anchor: Any = None
+
+
+@dataclass(frozen=True)
+class AnchorDigest:
+    """An array anchor as it leaves the env worker: its dtype, shape and a 32-byte BLAKE2b
+    digest of its bytes. Equal arrays give equal digests; two different states share one
+    only by a BLAKE2b collision (2^128 work). Hashable, so GiGPO keys states on it as is."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    digest: bytes
+
+
+def with_anchor_digest(obs: Observation | None) -> Observation | None:
+    """`obs` with an array anchor replaced by its AnchorDigest (other anchors unchanged)."""
+    if obs is None or not isinstance(obs.anchor, np.ndarray):
+        return obs
+    anchor = np.ascontiguousarray(obs.anchor)
+    digest = hashlib.blake2b(anchor.data, digest_size=32).digest()
+    return replace(obs, anchor=AnchorDigest(anchor.dtype.str, tuple(anchor.shape), digest))
 
 
 class Env(Protocol):

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from envs.base import Observation, make_info
+from envs.base import Observation, make_info, with_anchor_digest
 
 
 class WorkerDied(Exception):
@@ -130,7 +130,7 @@ class EnvShard:
         for idx, seed in items:
             self._stop_if_orphaned()
             try:
-                obs = self.envs[idx].reset(seed)
+                obs = with_anchor_digest(self.envs[idx].reset(seed))
                 out.append((idx, obs, make_info(True, False, failed=False)))
             except Exception:
                 out.append((idx, None, failed_info(traceback.format_exc())))
@@ -144,7 +144,7 @@ class EnvShard:
             try:
                 obs, reward, done, info = self.envs[idx].step(text)
                 info.setdefault("failed", False)
-                out.append((idx, obs, float(reward), bool(done), info))
+                out.append((idx, with_anchor_digest(obs), float(reward), bool(done), info))
             except Exception:
                 out.append((idx, None, 0.0, True, failed_info(traceback.format_exc())))
                 self._rebuild(idx)

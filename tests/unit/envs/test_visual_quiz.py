@@ -10,7 +10,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from envs import EnvManager, make_env
+from envs import EnvManager, Observation, make_env
+from envs.base import AnchorDigest, with_anchor_digest
 from envs.visual_quiz import BACKGROUND, COLOURS, SHAPES, VisualQuizConfig, chance_level, shape_mask
 from megatron_agent.algorithms.gigpo import anchor_key, anchor_state_codes
 
@@ -100,8 +101,17 @@ def test_image_anchors_are_exact_on_the_pixels_and_pickle_cheaply():
 
 
 def test_groups_through_the_process_pool_share_the_image():
+    """The anchor leaves the env worker as a digest of the pixels (the frame is not sent
+    twice), and GiGPO groups states on it as on the pixels themselves."""
     with EnvManager("visual_quiz", {"image_size": 32}, num_groups=2, group_size=2, num_workers=2) as envs:
         obs = envs.reset([1, 2])
+        assert all(isinstance(o.anchor, AnchorDigest) and len(o.anchor.digest) == 32 for o in obs)
+        direct = [make_env("visual_quiz", image_size=32).reset(seed).image for seed in (1, 1, 2, 2)]
+        assert [o.anchor for o in obs] == [with_anchor_digest(Observation("", anchor=im)).anchor for im in direct]
+        assert len(pickle.dumps(obs[0])) < obs[0].image.nbytes + 1024  # the pixels once, and 32 bytes
+        pixel_codes, _ = anchor_state_codes(direct, np.zeros(4, dtype=np.int64))
+        digest_codes, _ = anchor_state_codes([o.anchor for o in obs], np.zeros(4, dtype=np.int64))
+        assert list(pixel_codes) == list(digest_codes)
         keys = [anchor_key(o.anchor) for o in obs]
         assert keys[0] == keys[1] and keys[2] == keys[3] and keys[0] != keys[2]
         # GiGPO's step groups on the pixels: copies of one state together, others apart
