@@ -27,6 +27,7 @@ from megatron_agent.algorithms.group_advantages import (
     gae_before_whitening,
     grpo_advantages,
     moments_of,
+    partial_advantages,
     rloo_advantages,
     trajectory_reward_sums,
     whiten_with_moments,
@@ -139,14 +140,11 @@ def broadcast_to_tokens(advantages: Any, response_mask: torch.Tensor) -> torch.T
 
 
 def compute_advantages(samples: StepSamples, config: AlgorithmConfig) -> Advantages:
-    """Advantages for a batch of step samples with the estimator the config names."""
-    try:
-        estimator = ADVANTAGE_ESTIMATORS[config.advantage_estimator]
-    except KeyError:
-        raise ValueError(
-            f"advantage_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {config.advantage_estimator!r}"
-        ) from None
-    return estimator(samples, config)
+    """Advantages for a batch of step samples with the estimator the config names: its
+    partial over the whole batch, finished with the batch's own moments (a rollout
+    worker's part is finished with the moments of all workers' parts instead)."""
+    part = partial_advantages(samples, config)
+    return finish_advantages(part, combine_moments([part.moments]), config)
 
 
 def _whole_batch(
