@@ -51,13 +51,13 @@ import logging
 import math
 import os
 import reprlib
+import socket
 import threading
-import urllib.error
-import urllib.request
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from rollout.engine_responses import GenerateOutput, MalformedAnswer, generate_outputs
 
@@ -69,7 +69,6 @@ except ImportError:  # the stdlib's json alone
 log = logging.getLogger("rollout.engine_client")
 
 TOKEN_ENV = "MEGATRON_AGENT_ENGINE_TOKEN"
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # engines are never behind a proxy
 
 
 class EngineError(RuntimeError):
@@ -168,12 +167,56 @@ def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: flo
     if token:
         headers["Authorization"] = f"Bearer {token}"
     data = None if body is None else encode_json(body)
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with _OPENER.open(req, timeout=timeout_s) as resp:
-            return resp.status, _decode(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, _decode(e.read())
+    parts = urlsplit(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    key = (parts.scheme, parts.netloc)
+    for attempt in range(2):
+        conn, reused = _connection(key, timeout_s)
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            payload = resp.read()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            _drop_connection(key)
+            if reused and attempt == 0:
+                continue  # the server closed the connection this thread kept open: once on a new one
+            raise
+        except BaseException:
+            _drop_connection(key)
+            raise
+        if resp.will_close:
+            _drop_connection(key)
+        return resp.status, _decode(payload)
+    raise AssertionError("unreachable")
+
+
+_THREAD_CONNECTIONS = threading.local()  # per thread: (scheme, host:port) -> HTTPConnection, kept alive
+
+
+def _connection(key: tuple[str, str], timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+    """This thread's open connection to `key`, or a new one; (connection, whether it was open)."""
+    pool = getattr(_THREAD_CONNECTIONS, "pool", None)
+    if pool is None:
+        pool = _THREAD_CONNECTIONS.pool = {}
+    conn = pool.get(key)
+    reused = conn is not None and conn.sock is not None
+    if conn is None:
+        scheme, netloc = key
+        conn = (http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection)(netloc)
+    conn.timeout = timeout_s
+    if conn.sock is None:
+        pool.pop(key, None)
+        conn.connect()
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pool[key] = conn
+    conn.sock.settimeout(timeout_s)
+    return conn, reused
+
+
+def _drop_connection(key: tuple[str, str]) -> None:
+    conn = getattr(_THREAD_CONNECTIONS, "pool", {}).pop(key, None)
+    if conn is not None:
+        conn.close()
 
 
 _SHOWN = reprlib.Repr()

@@ -157,7 +157,8 @@ def _answer_raw(conn: socket.socket, code: int, message: str) -> None:
 class JsonRequestHandler(BaseHTTPRequestHandler):
     """JSON answers only; a subclass sets `known_paths` and defines do_GET / do_POST."""
 
-    protocol_version = "HTTP/1.1"
+    protocol_version = "HTTP/1.1"  # clients keep the connection open between calls
+    disable_nagle_algorithm = True  # the headers and the body go as two writes: none waits for an ACK
     timeout = IO_TIMEOUT_S
     known_paths: frozenset[str] = frozenset()
     server: EngineHTTPServer

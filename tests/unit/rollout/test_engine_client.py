@@ -380,3 +380,59 @@ def test_a_server_that_reports_no_integer_ranks_is_an_engine_error(servers):
         with pytest.raises(EngineError, match="reports tp_size=.*not a positive integer"):
             client.server_ranks()
     client.close()
+
+
+def _counting_server(close_after_each: bool):
+    """A JSON server on loopback that counts the connections it accepted; with
+    `close_after_each` it drops each connection after answering, without saying so (as a
+    server whose idle keep-alive timeout ran out between two calls)."""
+    import socketserver
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    accepted = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self):
+            accepted.append(self.client_address)
+            super().setup()
+
+        def do_GET(self):
+            data = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            if close_after_each:
+                self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    assert isinstance(server, socketserver.TCPServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, accepted
+
+
+def test_calls_keep_one_connection_open_and_survive_its_close():
+    from rollout.engine_client import http_json
+
+    server, accepted = _counting_server(close_after_each=False)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/health"
+        assert [http_json("GET", url) for _ in range(5)] == [(200, {"ok": True})] * 5
+        assert len(accepted) == 1  # one TCP connection for the five calls of this thread
+    finally:
+        server.shutdown()
+    server, accepted = _counting_server(close_after_each=True)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/health"
+        assert [http_json("GET", url) for _ in range(3)] == [(200, {"ok": True})] * 3
+        assert len(accepted) == 3  # each call after a dropped connection opens a new one
+    finally:
+        server.shutdown()
