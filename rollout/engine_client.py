@@ -87,7 +87,13 @@ class _ServerFailed(Exception):
 # json.dumps raises on the latter two and writes the former its own way), so json writes them.
 _ORJSON_WRITE = 0 if orjson is None else (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
                                           | orjson.OPT_PASSTHROUGH_DATETIME)
-_DIGIT_RUNS = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))  # digits -> "0", other bytes -> " "
+# For finding 19 or more digits that begin a number (an integer past 64 bits maybe, which
+# orjson reads as a float): digits -> "0", what comes before a fraction or an exponent's
+# digits -> ".", other bytes -> " ". A float's fraction (a logprob near 0 prints as
+# "-0.00012345678901234567") then follows a "." and does not count: orjson reads floats as
+# json does.
+_NUMBER_STARTS = bytes(48 if 48 <= b <= 57 else 46 if b in b".eE+" else 32 for b in range(256))
+_LONG_NUMBER_START = b" " + b"0" * 19
 
 
 def encode_json(body) -> bytes:
@@ -121,9 +127,9 @@ def decode_json(raw: bytes):
     """`json.loads(raw)`, read by orjson where it reads the same value. orjson refuses what
     json reads otherwise (NaN, Infinity, a number past the float range, a UTF-8 BOM, a
     lone surrogate, nesting past 1024) and reads an integer past 64 bits as a float: a
-    body with a run of 19 or more digits goes to json (an integer of 18 digits or fewer
-    is within 64 bits)."""
-    if orjson is not None and b"0" * 19 not in raw.translate(_DIGIT_RUNS):
+    body with an integer of 19 or more digits goes to json (one of 18 digits or fewer is
+    within 64 bits)."""
+    if orjson is not None and _LONG_NUMBER_START not in b" " + raw.translate(_NUMBER_STARTS):
         try:
             return orjson.loads(raw)
         except ValueError:  # orjson.JSONDecodeError: json decides (it reads more, or raises)

@@ -101,6 +101,17 @@ def test_answers_read_as_the_stdlib_reads_them(codec):
     assert type(decode_json(b"[18446744073709551616]")[0]) is int  # orjson alone would read a float
 
 
+def test_answers_with_long_fractions_are_read_by_orjson(monkeypatch):
+    """A logprob near 0 prints as many digits after the point ("-0.00012345678901234567"):
+    orjson reads it, as json would; only a long integer makes json read the body."""
+    read_by_json, loads = [], json.loads
+    near_zero = json.dumps({"output_token_logprobs": [[-0.00012345678901234567, 7, None], [-1.5e-7, 8, None]]})
+    expected = loads(near_zero)
+    monkeypatch.setattr(engine_client.json, "loads", lambda raw: read_by_json.append(raw) or loads(raw))
+    assert decode_json(near_zero.encode()) == expected and not read_by_json
+    assert decode_json(b"[-12345678901234567890]") == [-12345678901234567890] and len(read_by_json) == 1
+
+
 def test_bodies_that_are_not_json_stay_text_as_before(codec):
     for raw in (b"", b"oops", b"{", b"[" * 5000, b"\xff\xfe{}", b'{"a": 1} x', b'"a\tb"', b"9" * 5000):
         if not raw:
