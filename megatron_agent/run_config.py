@@ -191,10 +191,10 @@ def validate_run_config(run: RunConfig) -> None:
         run.rollout.validate(run.num_groups)
     except ValueError as err:
         raise ConfigError(f"rollout.{err}") from None
-    if run.rollout.workers > 1 and run.overlap_rollout:
-        raise ConfigError(f"rollout.workers={run.rollout.workers} with overlap_rollout=true is not supported yet: "
-                          "the rollout ahead would share the workers with this iteration's batch; set "
-                          "rollout.workers=1 or overlap_rollout=false")
+    if run.rollout.workers > 1 and run.overlap_rollout and run.algorithm.advantage_estimator == "gae":
+        raise ConfigError(f"rollout.workers={run.rollout.workers} with overlap_rollout=true and algorithm=ppo (GAE) "
+                          "is not supported yet: the critic's values would reach the workers while they roll out "
+                          "the next iteration; set rollout.workers=1 or overlap_rollout=false")
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)

@@ -279,3 +279,8 @@ def test_overlapped_rollout_is_one_update_stale_and_resumes_exactly(tmp_path):
     resumed = run_on_ranks(_run, 1, [f"run_dir={part}", f"resume={part}", f"model_dir={part / 'model'}",
                                      "iterations=4", *common], timeout_s=300)[0]
     _same_metrics(full[2:], resumed[2:], rel=1e-6)
+    # two rollout workers (Ray actors) roll out ahead the same episodes; the engine batches
+    # their requests otherwise, so logprobs differ by fp32 noise
+    workers = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'workers'}", "iterations=4", "rollout.workers=2",
+                                     *common], timeout_s=300)[0]
+    _same_metrics(full, workers, rel=1e-5)

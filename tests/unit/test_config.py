@@ -79,8 +79,8 @@ def test_every_env_config_loads_and_builds(env, tmp_path, monkeypatch):
         (["env=sokoban", "+env_config.dim_rom=[6,6]"], "env_config.dim_rom"),
         (["stop_success=1.5"], "stop_success=1.5"),
         (["rollout.workers=17"], "rollout.workers=17: a worker owns whole groups and the run has num_groups=16"),
-        (["rollout.workers=2", "overlap_rollout=true", "algorithm.tis_cap=2"],
-         "rollout.workers=2 with overlap_rollout=true is not supported yet"),
+        (["rollout.workers=2", "overlap_rollout=true", "algorithm=ppo", "algorithm.tis_cap=2"],
+         "rollout.workers=2 with overlap_rollout=true and algorithm=ppo (GAE) is not supported yet"),
         (["rollout.workers=0"], "rollout.workers=0 must be >= 1"),
     ],
 )
