@@ -29,7 +29,9 @@ counted twice.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -132,6 +134,7 @@ class RolloutWorker:
         self.own_engine_client = engine is None
         self.held: dict[int, HeldRollout] = {}  # by iteration: the rollout being trained on, and the next
         self.on_progress = None  # W = 1: the run's progress display (rollout/progress.py), set by the coordinator
+        self.latest_progress = None  # the running rollout's counts (rollout.progress.RolloutProgress), for `progress`
 
     def pid(self) -> int:
         import os
@@ -167,7 +170,7 @@ class RolloutWorker:
         seeds = rollout_seeds(config, iteration, attempt)[groups.start:groups.stop]
         rollout = run_rollout(self.envs, self.engine, self.tokenizer, config.loop, seeds, rollout_index=iteration,
                               first_group=attempt * config.num_groups + groups.start,
-                              image_processor=self.image_processor, on_progress=self.on_progress)
+                              image_processor=self.image_processor, on_progress=self._report)
         kept, dropped = rollout.samples, 0
         if config.algorithm.dynamic_sampling:
             scores = np.array([s.episode_return for s in kept])
@@ -176,6 +179,16 @@ class RolloutWorker:
         self.held[iteration].samples += kept
         return WorkerTry(sorted({s.group_id for s in kept}), dropped, rollout.summaries, rollout.metrics,
                          [[without_pixels(s) for s in e] for e in rollout.episodes[:keep_episodes]])
+
+    def _report(self, counts) -> None:
+        self.latest_progress = counts
+        if self.on_progress is not None:
+            self.on_progress(counts)
+
+    def progress(self):
+        """The running rollout's counts (None before the first); answered while `roll_out`
+        runs (the actor serves two calls at once)."""
+        return self.latest_progress
 
     def keep(self, iteration: int, groups: list[int] | None) -> WorkerBatch:
         """Keep the samples of `groups` (None: all); their partial advantages are computed
@@ -304,7 +317,7 @@ class RolloutWorkers:
 
     def __init__(self, config, model_dir: str | None, *, make_worker=None, on_progress=None):
         """`on_progress(label)`: the progress callback of the agent loop for a rollout so
-        labelled (W = 1: the workers of Ray actors show no progress inside a rollout)."""
+        labelled (the counts of all workers, summed)."""
         self.config, self.model_dir, self.on_progress = config, model_dir, on_progress
         self.count = config.rollout.workers
         self.remote = self.count > 1 and make_worker is None
@@ -334,7 +347,7 @@ class RolloutWorkers:
 
         r = self.config.rollout
         options = {"name": self.name(k), "namespace": self.namespace, "num_cpus": r.cpus_per_worker,
-                   "max_restarts": 0, "lifetime": None}
+                   "max_restarts": 0, "max_concurrency": 2}  # 2: `progress` while `roll_out` runs
         if r.node_resource:
             options["resources"] = {r.node_resource: 1}
         else:
@@ -404,11 +417,13 @@ class RolloutWorkers:
         self.iteration_restarts = 0
         self.call("set_engines", [(list(urls),)] * self.count)
         self.call("begin", [(iteration,)] * self.count)
-        if not self.remote and self.on_progress is not None:
-            self.handles[0].on_progress = self.on_progress(f"rollout of iteration {iteration}")
+        show = self.on_progress(f"rollout of iteration {iteration}") if self.on_progress is not None else None
+        if not self.remote:
+            self.handles[0].on_progress = show
         kept, dropped, attempt, first = [], 0, 0, None
         while True:
-            tries = self.call("roll_out", [(iteration, attempt, keep_episodes if k == 0 else 0) for k in every])
+            with self._showing_progress(show):
+                tries = self.call("roll_out", [(iteration, attempt, keep_episodes if k == 0 else 0) for k in every])
             first = first or tries
             kept += [g for t in tries for g in t.kept_groups]
             dropped += sum(t.dropped_groups for t in tries)
@@ -433,6 +448,38 @@ class RolloutWorkers:
         versions = np.concatenate([b.weight_versions for b in batches])
         return Collected(iteration, sources, lengths, combine_moments([b.moments for b in batches]), metrics,
                          first[0].episodes, float(versions.mean()) if versions.size else 0.0)
+
+    @contextlib.contextmanager
+    def _showing_progress(self, show, interval_s: float = 0.5):
+        """While the body runs, the Ray workers' rollout counts, summed, go to `show` every
+        `interval_s` (W = 1 reports from inside its rollout)."""
+        if show is None or not self.remote:
+            yield
+            return
+        import ray
+
+        from rollout.progress import RolloutProgress
+
+        done = threading.Event()
+
+        def poll():
+            while not done.wait(interval_s):
+                try:
+                    counts = [c for c in ray.get([h.progress.remote() for h in self.handles], timeout=interval_s * 4)
+                              if c is not None]
+                except Exception:  # noqa: BLE001 - a worker being replaced: the next poll shows it
+                    continue
+                if counts:
+                    show(RolloutProgress(*(sum(getattr(c, f) for c in counts) for f in (
+                        "episodes", "episodes_done", "steps_done", "requests_in_flight"))))
+
+        poller = threading.Thread(target=poll, name="rollout-progress", daemon=True)
+        poller.start()
+        try:
+            yield
+        finally:
+            done.set()
+            poller.join()
 
     def rows_of(self, sources: np.ndarray) -> list[np.ndarray]:
         """Per worker, its rows among `sources` ((worker, row) pairs), in their order there."""
