@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 SUCCESS_KEY = "train/success_rate"
 MOVING_AVERAGE_KEY = "train/success_moving_average"
 DEFAULT_KEYS = (SUCCESS_KEY, "val/success_rate", "train/episode_length", "train/invalid_action_rate")
+# GiGPO's diagnostics (algorithms/gigpo.py `gigpo_diagnostics`), plotted by default where a run has them
+GIGPO_KEYS = ("gigpo/shared_state_fraction", "gigpo/step_to_episode_abs", "gigpo/sign_disagreement")
 REACH_THRESHOLD = 0.9
 SEED_SUFFIX = re.compile(r"[-_](?:seed|s)\d+$", re.IGNORECASE)
 
@@ -246,11 +248,14 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, keys: Sequence[str] | No
     """Write one panel per metric key, then one panel per run (or seed group) of its seconds
     per phase at each iteration, stacked, to `out_png`; return what was drawn.
 
-    keys=None plots DEFAULT_KEYS and skips (with a warning) those no run has; keys named
-    explicitly must each be in some run, else ValueError naming the missing ones."""
+    keys=None plots DEFAULT_KEYS (skipping, with a warning, those no run has) and the
+    GIGPO_KEYS some run has; keys named explicitly must each be in some run, else
+    ValueError naming the missing ones."""
     if x not in ("iteration", "minutes"):
         raise ValueError(f"x must be 'iteration' or 'minutes', not {x!r}")
     wanted = list(DEFAULT_KEYS if keys is None else keys)
+    if keys is None:
+        wanted += [key for key in GIGPO_KEYS if any(_has_number(row, key) for run in runs for row in run.rows)]
     missing = [key for key in wanted if not any(_has_number(row, key) for run in runs for row in run.rows)]
     if missing and keys is not None:
         raise ValueError(f"no run has the metric(s): {', '.join(missing)}")

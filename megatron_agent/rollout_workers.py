@@ -106,6 +106,7 @@ class WorkerBatch:
     group_ids: np.ndarray  # int64 [n]
     weight_versions: np.ndarray  # int64 [n]: the engine weights that generated each
     moments: object  # algorithms.group_advantages.Moments of a batch-wide estimator, or None
+    diagnostics: dict | None = None  # GiGPO: algorithms.gigpo.gigpo_diagnostic_sums of its samples
 
 
 class RolloutWorker:
@@ -208,7 +209,8 @@ class RolloutWorker:
             group_ids=np.array([s.group_id for s in held.samples], dtype=np.int64),
             weight_versions=np.array([weight_version_number(s.weight_version) for s in held.samples],
                                      dtype=np.int64),
-            moments=None if held.partial is None else held.partial.moments)
+            moments=None if held.partial is None else held.partial.moments,
+            diagnostics=None if held.partial is None else held.partial.diagnostics)
 
     def gae_partial(self, iteration: int, values: np.ndarray):
         """GAE: the critic's values of this worker's samples -> the moments it contributes."""
@@ -278,6 +280,15 @@ def without_pixels(sample):
         return sample
     return dataclasses.replace(sample, images=[SimpleNamespace(shape=tuple(im.shape)) for im in sample.images],
                                pixel_values=None, image_grid_thw=None)
+
+
+def summed(parts: list[dict | None]) -> dict[str, float]:
+    """The key-wise sum of the dicts in `parts` (None and {} count as nothing)."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in (part or {}).items():
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def weight_version_number(version) -> int:
@@ -409,6 +420,7 @@ class RolloutWorkers:
         groups have a learning signal, as `enough_groups` says, and keeps the lowest-numbered
         of them); returns the rollout as the coordinator holds it."""
         from megatron_agent.algorithms import enough_groups
+        from megatron_agent.algorithms.gigpo import gigpo_diagnostics
         from megatron_agent.algorithms.group_advantages import combine_moments
         from rollout.agent_loop import summary_metrics
 
@@ -443,6 +455,7 @@ class RolloutWorkers:
             if not chosen:
                 raise RuntimeError(f"dynamic sampling: every group of {attempt} rollouts had equal episode scores; "
                                    "nothing to train on (raise algorithm.dynamic_sampling_max_tries)")
+        metrics.update(gigpo_diagnostics(summed([b.diagnostics for b in batches])))
         sources = whole_order([b.group_ids for b in batches])
         lengths = np.array([batches[k].lengths[r] for k, r in sources], dtype=np.int64)
         versions = np.concatenate([b.weight_versions for b in batches])

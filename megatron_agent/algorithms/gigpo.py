@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -174,34 +175,91 @@ def gigpo_advantages(
     per-step invalid-action penalty); ``step_returns[i]``: its discounted return G_t
     (``step_discounted_returns``, penalty applied after discounting). A trajectory is the pair
     (group id, trajectory id). Padding samples get 0 and enter no statistic; their anchors are
-    never looked at.
+    never looked at (nor any anchor with step_weight 0).
     """
+    halves = gigpo_halves(episode_scores, step_returns, group_ids, traj_ids, anchors, mode=mode, eps=eps,
+                          episode_stats=episode_stats, similarity_threshold=similarity_threshold,
+                          is_padding=is_padding, with_steps=step_weight != 0.0)
+    if halves.step is None:
+        return scatter_real(halves.episode, halves.real)
+    return scatter_real(halves.episode + step_weight * halves.step, halves.real)
+
+
+@dataclass(frozen=True)
+class GigpoHalves:
+    """GiGPO's two advantages of the real samples, apart, and the step groups they came from."""
+
+    real: np.ndarray  # bool [n]: the samples that are not padding
+    episode: np.ndarray  # A_E of each real sample
+    step: np.ndarray | None  # A_S of each real sample (0 in a step group of one); None: not computed
+    step_group_size: np.ndarray | None  # how many samples share each real sample's anchor-state group
+    n_step_groups: int
+
+
+def gigpo_halves(episode_scores: Any, step_returns: Any, group_ids: Any, traj_ids: Any, anchors: Any, *,
+                 mode: NormMode, eps: float, episode_stats: EpisodeStats, similarity_threshold: float | None,
+                 is_padding: Any, with_steps: bool = True) -> GigpoHalves:
+    """A_E and (with_steps) A_S of the real samples, as `gigpo_advantages` adds them."""
     n = num_samples(episode_scores)
     scores = to_float64(episode_scores, n, "episode_scores")
     returns = to_float64(step_returns, n, "step_returns")
     real = real_mask(is_padding, n)
     group_codes, n_groups = factorize(take_real(group_ids, real, n, "group_ids"))
     if n_groups == 0:
-        return np.zeros(n, dtype=np.float64)
+        empty = np.zeros(0, dtype=np.float64)
+        return GigpoHalves(real, empty, empty if with_steps else None, np.zeros(0, np.int64) if with_steps else None,
+                           0)
     traj_local, _ = factorize(take_real(traj_ids, real, n, "traj_ids"))
     traj_codes, n_traj = combine_codes(group_codes, traj_local)
-    advantages = episode_relative_advantages(
-        scores[real],
-        group_codes,
-        n_groups,
-        traj_codes,
-        n_traj,
-        mode=mode,
-        eps=eps,
-        episode_stats=episode_stats,
-    )
-    if step_weight != 0.0:
-        real_anchors = take_real(anchors, real, n, "anchors")
-        step_codes, n_step_groups = anchor_state_codes(real_anchors, group_codes, similarity_threshold)
-        advantages = advantages + step_weight * step_relative_advantages(
-            returns[real], step_codes, n_step_groups, mode=mode, eps=eps
-        )
-    return scatter_real(advantages, real)
+    episode = episode_relative_advantages(scores[real], group_codes, n_groups, traj_codes, n_traj, mode=mode, eps=eps,
+                                          episode_stats=episode_stats)
+    if not with_steps:
+        return GigpoHalves(real, episode, None, None, 0)
+    step_codes, n_step_groups = anchor_state_codes(take_real(anchors, real, n, "anchors"), group_codes,
+                                                   similarity_threshold)
+    step = step_relative_advantages(returns[real], step_codes, n_step_groups, mode=mode, eps=eps)
+    return GigpoHalves(real, episode, step, np.bincount(step_codes, minlength=n_step_groups)[step_codes],
+                       n_step_groups)
+
+
+GIGPO_DIAGNOSTIC_SUMS = ("samples", "shared_state_samples", "step_groups", "step_advantage_abs",
+                         "episode_advantage_abs", "both_nonzero", "sign_disagreements")
+
+
+def gigpo_diagnostic_sums(halves: GigpoHalves) -> dict[str, float]:
+    """Sums over the real samples that say whether GiGPO's step half has anything to work
+    with (`gigpo_diagnostics` turns them into metrics; sums of parts add up)."""
+    if halves.step is None:
+        return {}
+    both = (halves.episode != 0) & (halves.step != 0)
+    return {
+        "samples": float(len(halves.episode)),
+        "shared_state_samples": float((halves.step_group_size >= 2).sum()),
+        "step_groups": float(halves.n_step_groups),
+        "step_advantage_abs": float(np.abs(halves.step).sum()),
+        "episode_advantage_abs": float(np.abs(halves.episode).sum()),
+        "both_nonzero": float(both.sum()),
+        "sign_disagreements": float((both & (np.sign(halves.episode) != np.sign(halves.step))).sum()),
+    }
+
+
+def gigpo_diagnostics(sums: dict[str, float], prefix: str = "gigpo/") -> dict[str, float]:
+    """Metrics of (summed) `gigpo_diagnostic_sums`: the share of step samples whose
+    anchor-state group has 2 or more members (only those get a step advantage), the mean
+    step-group size, the mean |A_S| and |A_E| and their ratio, and how often A_S's sign
+    disagrees with A_E's where both are non-zero."""
+    if not sums or not sums["samples"]:
+        return {}
+    n = sums["samples"]
+    out = {f"{prefix}shared_state_fraction": sums["shared_state_samples"] / n,
+           f"{prefix}step_group_size": n / sums["step_groups"],
+           f"{prefix}step_advantage_abs": sums["step_advantage_abs"] / n,
+           f"{prefix}episode_advantage_abs": sums["episode_advantage_abs"] / n}
+    if sums["episode_advantage_abs"]:
+        out[f"{prefix}step_to_episode_abs"] = sums["step_advantage_abs"] / sums["episode_advantage_abs"]
+    if sums["both_nonzero"]:
+        out[f"{prefix}sign_disagreement"] = sums["sign_disagreements"] / sums["both_nonzero"]
+    return out
 
 
 def _factorize_anchors(anchors: list[Any]) -> tuple[np.ndarray, int]:

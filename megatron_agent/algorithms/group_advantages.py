@@ -28,7 +28,8 @@ from megatron_agent.algorithms.gigpo import (
     EpisodeStats,
     NormMode,
     episode_relative_advantages,
-    gigpo_advantages,
+    gigpo_diagnostic_sums,
+    gigpo_halves,
     step_discounted_returns,
 )
 from megatron_agent.algorithms.segments import (
@@ -133,6 +134,8 @@ class PartialAdvantages:
     returns: np.ndarray  # float64 [n]: as Advantages.returns
     moments: Moments | None  # this part's share of the batch-wide statistic; None: the estimator needs none
     real: np.ndarray  # bool [n]: the samples that are not padding (whitening leaves padding at 0)
+    # GiGPO: gigpo.gigpo_diagnostic_sums of these samples (parts' sums add up); None for others
+    diagnostics: dict[str, float] | None = None
 
 
 def partial_advantages(samples: StepSamples, config: AlgorithmConfig) -> PartialAdvantages:
@@ -283,20 +286,23 @@ def _gigpo_part(samples: StepSamples, config: AlgorithmConfig) -> PartialAdvanta
     if samples.anchors is None and config.step_weight != 0.0:
         raise ValueError("gigpo needs anchors (or step_weight=0)")
     scores, returns = _penalised_scores_and_returns(samples, config)
-    advantages = gigpo_advantages(
+    halves = gigpo_halves(
         scores,
         returns,
         samples.group_ids,
         samples.traj_ids,
         samples.anchors if samples.anchors is not None else [None] * len(scores),
         mode=config.gigpo_mode,
-        step_weight=config.step_weight,
         eps=config.adv_eps,
         episode_stats=config.episode_stats,
         similarity_threshold=config.similarity_threshold,
         is_padding=samples.is_padding,
+        with_steps=config.step_weight != 0.0,
     )
-    return _final(advantages, returns, samples)
+    advantages = halves.episode if halves.step is None else halves.episode + config.step_weight * halves.step
+    part = _final(scatter_real(advantages, halves.real), returns, samples)
+    part.diagnostics = gigpo_diagnostic_sums(halves)
+    return part
 
 
 def _grpo_part(mode: NormMode) -> Callable[[StepSamples, AlgorithmConfig], PartialAdvantages]:

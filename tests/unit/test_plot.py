@@ -317,3 +317,20 @@ def test_runs_with_the_same_values_both_show(tmp_path):
     assert alone.figure.axes[0].get_lines()[0].get_color() == "C0"
     # the first run's colour still covers a good part of what it covered alone
     assert count_color(tmp_path / "both.png", first) > 0.2 * count_color(tmp_path / "alone.png", first)
+
+
+def test_gigpo_diagnostics_get_panels_where_a_run_has_them(tmp_path, caplog):
+    from megatron_agent.plot import GIGPO_KEYS
+
+    gigpo = make_rows([0.1, 0.3])
+    for i, row in enumerate(gigpo):
+        row.update({"gigpo/shared_state_fraction": 0.2 + i, "gigpo/step_to_episode_abs": 0.5,
+                    "gigpo/sign_disagreement": 0.1})
+    runs = load_runs([write_run(tmp_path, "gigpo", gigpo), write_run(tmp_path, "grpo", make_rows([0.2, 0.2]))])
+    with caplog.at_level(logging.WARNING):
+        drawn = plot_runs(runs, tmp_path / "both.png")
+    assert list(drawn.panels) == [*DEFAULT_KEYS, *GIGPO_KEYS]
+    assert panel(drawn, "gigpo/shared_state_fraction", "gigpo").y == [0.2, 1.2]
+    assert not [c for c in drawn.panels["gigpo/shared_state_fraction"] if c.label == "grpo"]
+    assert "gigpo/" not in caplog.text  # a run without them is no reason to warn
+    assert list(plot_runs(runs[1:], tmp_path / "grpo.png").panels) == list(DEFAULT_KEYS)

@@ -134,11 +134,12 @@ def test_w_workers_give_one_workers_batch_and_advantages(estimator):
     the single-process estimator's over the whole batch (batch-wide whitening included)."""
     config = _config(f"algorithm.advantage_estimator={estimator}", "algorithm.dynamic_sampling=false",
                      "num_groups=5", "group_size=3", "algorithm.invalid_action_penalty=0.1")
-    shards = {}
+    shards, diagnostics = {}, {}
     for workers in (1, 2, 3):
         pool = _workers(config, workers)
         try:
             collected = pool.collect(0, ["unused"])
+            diagnostics[workers] = {k: v for k, v in collected.metrics.items() if k.startswith("gigpo/")}
             positions = assign_by_tokens(collected.lengths, 2)
             shards[workers] = [batch_from_shards(pool.fetch(0, collected.sources[p], collected.moments),
                                                  shard_order(collected.sources[p]), p, collected.size, pad_id=0,
@@ -159,6 +160,10 @@ def test_w_workers_give_one_workers_batch_and_advantages(estimator):
                 assert torch.equal(getattr(one, name), getattr(other, name)), name
             np.testing.assert_allclose(other.advantages.numpy(), one.advantages.numpy(), rtol=1e-6, atol=1e-6)
     assert np.abs(reference).sum() > 0  # the episodes differ: the advantages are not all 0
+    # GiGPO's diagnostics: the workers' sums give the one-worker figures
+    assert bool(diagnostics[1]) == (estimator == "gigpo")
+    for workers in (2, 3):
+        assert diagnostics[workers] == pytest.approx(diagnostics[1], rel=1e-12)
 
 
 def test_gae_advantages_follow_the_critic_values_to_the_workers():

@@ -253,3 +253,22 @@ def test_empty_and_all_padding():
     np.testing.assert_array_equal(
         gigpo_advantages([1.0], [1.0], ["g"], [0], [None], is_padding=[True]), [0.0]
     )
+
+
+def test_diagnostics_say_how_much_the_step_half_has_to_work_with():
+    """One group, two trajectories (scores 1 and 0) that share state "a" at their first
+    step; G_t given: the losing trajectory did better from "a" than the winner."""
+    from megatron_agent.algorithms.gigpo import gigpo_diagnostic_sums, gigpo_diagnostics, gigpo_halves
+
+    halves = gigpo_halves([1.0, 1.0, 0.0, 0.0], [0.2, 1.0, 0.9, 0.0], [0, 0, 0, 0], [0, 0, 1, 1],
+                          ["a", "b", "a", "c"], mode="mean_norm", eps=1e-6, episode_stats="per_step",
+                          similarity_threshold=None, is_padding=None)
+    np.testing.assert_allclose(halves.episode, [0.5, 0.5, -0.5, -0.5])
+    np.testing.assert_allclose(halves.step, [-0.35, 0.0, 0.35, 0.0])  # "a": mean 0.55; b, c alone: 0
+    metrics = gigpo_diagnostics(gigpo_diagnostic_sums(halves))
+    assert metrics["gigpo/shared_state_fraction"] == 0.5
+    assert metrics["gigpo/step_group_size"] == pytest.approx(4 / 3)
+    assert metrics["gigpo/step_advantage_abs"] == pytest.approx(0.7 / 4)
+    assert metrics["gigpo/episode_advantage_abs"] == pytest.approx(0.5)
+    assert metrics["gigpo/step_to_episode_abs"] == pytest.approx(0.35)
+    assert metrics["gigpo/sign_disagreement"] == 1.0  # both shared samples: A_S against A_E
