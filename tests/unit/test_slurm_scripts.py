@@ -152,8 +152,9 @@ def test_train_starts_ray_on_every_node_then_trains(stubs):
     head, worker = starts["node1"], starts["node2"]
     assert head[:3] == ["ray", "start", "--head"]
     assert {"--node-ip-address=10.0.0.1", "--port=6380", "--num-gpus=8", "--block"} <= set(head)
+    assert '--resources={"rollout_node": 1}' in head  # rollout.node_resource=rollout_node: a worker per node
     assert worker[:2] == ["ray", "start"] and "--head" not in worker
-    assert {"--address=10.0.0.1:6380", "--num-gpus=8", "--block"} <= set(worker)
+    assert {"--address=10.0.0.1:6380", "--num-gpus=8", "--block", '--resources={"rollout_node": 1}'} <= set(worker)
     assert ["ray", "status", "--address=10.0.0.1:6380"] in calls(stubs, "ray")
 
     assert train_argv(stubs) == [
