@@ -76,6 +76,7 @@ class EngineHTTPServer(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._deadlines: dict[socket.socket, float] = {}  # connections reading a request, and until when
         self._cut: set[socket.socket] = set()  # connections whose read side the deadline shut
+        self._open: set[socket.socket] = set()  # every connection a handler serves (kept alive between calls)
         self._closing = threading.Event()
         super().__init__(address, handler_class, bind_and_activate)
         threading.Thread(target=self._enforce_deadlines, name="engine-http-deadlines", daemon=True).start()
@@ -109,8 +110,17 @@ class EngineHTTPServer(ThreadingHTTPServer):
                     pass
 
     def server_close(self) -> None:
+        """Stop listening, and end the connections clients keep open: no request reaches
+        the handlers of a closed server (a new server on the same port is another one)."""
         self._closing.set()
         super().server_close()
+        with self._lock:
+            still_open = list(self._open)
+        for conn in still_open:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # -- the connection cap -------------------------------------------------------------
     def process_request(self, request, client_address) -> None:
@@ -122,6 +132,7 @@ class EngineHTTPServer(ThreadingHTTPServer):
         with self._lock:
             self.open_connections += 1
             self.peak_connections = max(self.peak_connections, self.open_connections)
+            self._open.add(request)
         try:
             super().process_request(request, client_address)  # a thread of its own
         except BaseException:
@@ -139,6 +150,7 @@ class EngineHTTPServer(ThreadingHTTPServer):
             self.open_connections -= 1
             self._deadlines.pop(request, None)
             self._cut.discard(request)
+            self._open.discard(request)
         self._slots.release()
 
 

@@ -249,8 +249,8 @@ def test_bodies_over_the_limit_answer_413_unread(engine):
         status, answer, connection = raw(url, "POST", "/generate", {"Content-Length": str(10**12)})
         assert status == 413 and "over this server's limit of 1000" in answer["message"]
         assert connection.lower() == "close"
-        big = json.dumps({"input_ids": [5] * 400}).encode()
-        assert http_json("POST", url + "/generate", json.loads(big))[0] == 413
+        big = {"input_ids": [5] * 600}  # 1.2 kB written compactly (the client's orjson) or not
+        assert http_json("POST", url + "/generate", big)[0] == 413
         for headers, code in (({"Content-Length": "many"}, 400), ({"Content-Length": "-5"}, 400),
                               ({"Transfer-Encoding": "chunked"}, 411)):
             assert raw(url, "POST", "/generate", headers)[0] == code, headers
@@ -288,3 +288,13 @@ def test_generation_lengths_and_token_ids_are_checked(engine, monkeypatch):
         assert generate([5] * (context - 10), max_new_tokens=10)[0] == 200  # exactly the context
         with pytest.raises(EngineError, match="400"):  # the client does not retry a 400
             EngineClient([url]).generate([[5, 6]], {**GREEDY, "max_new_tokens": 1000})
+
+
+def test_a_closed_server_serves_no_connection_a_client_kept_open(engine):
+    """The client keeps its connection open between calls; closing the server ends it, so
+    no later call reaches the closed server's handlers (they would answer with its old
+    settings, even for a new server on the same port)."""
+    with served(engine) as url:
+        assert http_json("GET", url + "/health")[0] == 200  # this thread now holds a connection to it
+    with pytest.raises(OSError):
+        http_json("GET", url + "/health", timeout_s=5)
