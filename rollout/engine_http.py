@@ -182,6 +182,8 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.server.reading(self.connection)
         try:
             super().handle_one_request()
+        except (ConnectionResetError, BrokenPipeError):  # the client left (a kept-alive connection it dropped)
+            self.close_connection = True
         finally:
             self.server.read_done(self.connection)
 

@@ -298,3 +298,26 @@ def test_a_closed_server_serves_no_connection_a_client_kept_open(engine):
         assert http_json("GET", url + "/health")[0] == 200  # this thread now holds a connection to it
     with pytest.raises(OSError):
         http_json("GET", url + "/health", timeout_s=5)
+
+
+def test_a_client_that_drops_its_kept_open_connection_is_no_server_error(engine, monkeypatch):
+    """A client gone with a reset (killed, or its pooled connection dropped) while the
+    handler waits for its next request: the connection ends quietly, no traceback."""
+    import socket
+    import struct
+    import time
+
+    from rollout.engine_http import EngineHTTPServer
+
+    errors = []
+    monkeypatch.setattr(EngineHTTPServer, "handle_error", lambda self, request, address: errors.append(address))
+    with served(engine) as url:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None  # kept open: the handler waits for more
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # SO_LINGER 0: a reset, not a FIN
+        time.sleep(0.5)
+        assert http_json("GET", url + "/health")[0] == 200
+    assert errors == []
