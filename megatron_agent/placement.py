@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -399,6 +400,22 @@ class RayEngineLauncher:
         return [RayEngine(url, actor) for url, actor in zip(urls, actors)]
 
 
+def ensure_ray(placement: PlacementConfig, *, cpus: float) -> bool:
+    """Connect this process to Ray: `placement.ray_address`, or a new local instance of at
+    least `cpus` CPUs (never another cluster that runs on this machine). True when the
+    instance was started here (its starter shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if placement.ray_address:
+        ray.init(address=placement.ray_address, runtime_env=placement.runtime_env or None)
+        return False
+    ray.init(address="local", num_cpus=max(math.ceil(cpus), os.cpu_count() or 1), include_dashboard=False,
+             runtime_env=placement.runtime_env or None)
+    return True
+
+
 def _launch_on_ray(config, train_rank) -> None:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -413,13 +430,7 @@ def _launch_on_ray(config, train_rank) -> None:
                                  resume=config.resume and str(Path(config.resume).resolve()))
     p = config.placement
     trainers, engines = trainer_bundles(config), engine_bundles(config)
-    started_here = not ray.is_initialized() and p.ray_address is None
-    if started_here:
-        needed = sum(b["CPU"] for b in trainers + engines)
-        ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False,
-                 runtime_env=p.runtime_env or None)
-    elif not ray.is_initialized():
-        ray.init(address=p.ray_address, runtime_env=p.runtime_env or None)
+    started_here = ensure_ray(p, cpus=sum(b["CPU"] for b in trainers + engines))
     groups, actors = [], []
     try:
         trainer_group = placement_group(trainers, strategy=trainer_strategy(config))

@@ -4,10 +4,10 @@
     collected = workers.collect(iteration, engine_urls)      # per-sample lengths come back, no tokens
     batch = fetch_batch(workers, collected, dp, ...)        # worker_batches.py: each DP rank's shard
 
-Worker k of W owns the groups `worker_groups(num_groups, W)[k]`: their env copies (an
-EnvManager), the prompts and the tokenizer, an engine client over its share of the engines
-(`worker_engine_urls`; a trajectory's steps stick to one engine, for its prefix cache) and
-the step samples. It computes its groups' advantages itself (algorithms/group_advantages.py:
+Worker k of W (rollout_worker.py) owns the groups `worker_groups(num_groups, W)[k]`: their
+env copies (an EnvManager), the prompts and the tokenizer, an engine client over its share of
+the engines (`worker_engine_urls`; a trajectory's steps stick to one engine, for its prefix
+cache) and the step samples. It computes its groups' advantages itself (algorithms/group_advantages.py:
 GiGPO's episode groups and the step groups inside them are all its own); a batch-wide
 estimator gets the moments of the whole batch from the coordinator.
 
@@ -32,12 +32,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from megatron_agent.rollout_worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +65,6 @@ class RolloutWorkersConfig:
             raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
 
 
-def worker_groups(num_groups: int, workers: int) -> list[range]:
-    """The groups each worker owns: contiguous ranges whose sizes differ by at most one."""
-    bounds = np.linspace(0, num_groups, workers + 1).round().astype(int)
-    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def worker_engine_urls(urls: Sequence[str], workers: int, index: int) -> list[str]:
-    """The engines worker `index` sends to: every W-th one from its index when there are
-    at least W engines (so workers do not share an engine's prefix cache), else all."""
-    urls = list(urls)
-    return urls[index::workers] if len(urls) >= workers else urls
-
-
 def whole_order(group_ids: Sequence[np.ndarray]) -> np.ndarray:
     """Each worker's samples' group ids (each worker's in its own (group, trajectory,
     step) order) -> the whole batch as (worker, row) pairs [N, 2], ordered by group as one
@@ -87,201 +75,6 @@ def whole_order(group_ids: Sequence[np.ndarray]) -> np.ndarray:
     return sources[np.argsort(keys, kind="stable")]
 
 
-@dataclass
-class WorkerTry:
-    """One try of a worker's rollout (dynamic sampling may take several)."""
-
-    kept_groups: list[int]  # the groups kept (all of them without dynamic sampling)
-    dropped_groups: int
-    summaries: list  # rollout.agent_loop.EpisodeSummary, one per episode
-    metrics: dict[str, float]  # the worker's rollout metrics (timings among them)
-    episodes: list  # the first episodes asked for, as step samples (for run_dir/samples)
-
-
-@dataclass
-class WorkerBatch:
-    """What the coordinator learns of a worker's kept samples: a few numbers each."""
-
-    lengths: np.ndarray  # int64 [n]: prompt + response tokens
-    group_ids: np.ndarray  # int64 [n]
-    weight_versions: np.ndarray  # int64 [n]: the engine weights that generated each
-    moments: object  # algorithms.group_advantages.Moments of a batch-wide estimator, or None
-    diagnostics: dict | None = None  # GiGPO: algorithms.gigpo.gigpo_diagnostic_sums of its samples
-
-
-class RolloutWorker:
-    """One worker: its groups' env copies, prompts, engine client and samples. A plain
-    object (W = 1) or the body of a Ray actor (W > 1). `envs`, `tokenizer` and `engine`
-    replace what it would make (tests, benchmarks)."""
-
-    def __init__(self, config, index: int, model_dir: str | None, *, envs=None, tokenizer=None, engine=None):
-        from rollout.vision import load_image_processor
-
-        self.config, self.index = config, index
-        self.groups = worker_groups(config.num_groups, config.rollout.workers)[index]
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.tokenizer = tokenizer
-        self.image_processor = load_image_processor(model_dir) if model_dir else None
-        if envs is None:
-            from envs import EnvManager
-
-            envs = EnvManager(config.env, config.env_config, num_groups=len(self.groups),
-                              group_size=config.group_size, backend=config.env_backend,
-                              num_workers=config.env_workers)
-        self.envs, self.engine, self.urls = envs, engine, None
-        self.own_engine_client = engine is None
-        self.held: dict[int, HeldRollout] = {}  # by iteration: the rollout being trained on, and the next
-        self.on_progress = None  # W = 1: the run's progress display (rollout/progress.py), set by the coordinator
-        self.latest_progress = None  # the running rollout's counts (rollout.progress.RolloutProgress), for `progress`
-
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
-    def cpu_seconds(self) -> float:
-        """CPU time of this process so far (all its threads)."""
-        return time.process_time()
-
-    def set_engines(self, urls: list[str]) -> None:
-        from rollout.engine_launch import engine_client
-
-        mine = worker_engine_urls(urls, self.config.rollout.workers, self.index)
-        if not self.own_engine_client or mine == self.urls:
-            return
-        if self.engine is not None:
-            self.engine.close()
-        self.engine, self.urls = engine_client(self.config.engine, mine), mine
-
-    def begin(self, iteration: int) -> None:
-        self.held = {i: h for i, h in self.held.items() if i == iteration - 1}  # overlap_rollout: the one training
-        self.held[iteration] = HeldRollout()
-
-    def roll_out(self, iteration: int, attempt: int, keep_episodes: int = 0) -> WorkerTry:
-        """Roll out this worker's groups with the seeds of (iteration, attempt); with
-        dynamic sampling keep only its groups whose episodes did not all score the same."""
-        from megatron_agent.algorithms import filter_zero_variance_groups
-        from megatron_agent.samples import rollout_seeds
-        from rollout.agent_loop import run_rollout
-
-        config, groups = self.config, self.groups
-        seeds = rollout_seeds(config, iteration, attempt)[groups.start:groups.stop]
-        rollout = run_rollout(self.envs, self.engine, self.tokenizer, config.loop, seeds, rollout_index=iteration,
-                              first_group=attempt * config.num_groups + groups.start,
-                              image_processor=self.image_processor, on_progress=self._report)
-        kept, dropped = rollout.samples, 0
-        if config.algorithm.dynamic_sampling:
-            scores = np.array([s.episode_return for s in kept])
-            keep = filter_zero_variance_groups(scores, [s.group_id for s in kept])
-            kept, dropped = [s for s, k in zip(kept, keep.keep) if k], keep.num_dropped
-        self.held[iteration].samples += kept
-        return WorkerTry(sorted({s.group_id for s in kept}), dropped, rollout.summaries, rollout.metrics,
-                         [[without_pixels(s) for s in e] for e in rollout.episodes[:keep_episodes]])
-
-    def _report(self, counts) -> None:
-        self.latest_progress = counts
-        if self.on_progress is not None:
-            self.on_progress(counts)
-
-    def progress(self):
-        """The running rollout's counts (None before the first); answered while `roll_out`
-        runs (the actor serves two calls at once)."""
-        return self.latest_progress
-
-    def keep(self, iteration: int, groups: list[int] | None) -> WorkerBatch:
-        """Keep the samples of `groups` (None: all); their partial advantages are computed
-        now (GAE's once the critic's values come: `gae_partial`)."""
-        from megatron_agent.algorithms.group_advantages import partial_advantages
-        from megatron_agent.samples import step_columns
-
-        held = self.held[iteration]
-        if groups is not None:
-            chosen = set(groups)
-            held.samples = [s for s in held.samples if s.group_id in chosen]
-        algorithm = self.config.algorithm
-        held.partial = (partial_advantages(step_columns(held.samples), algorithm)
-                        if algorithm.advantage_estimator != "gae" else None)
-        return WorkerBatch(
-            lengths=np.array([len(s.prompt_ids) + len(s.response_ids) for s in held.samples], dtype=np.int64),
-            group_ids=np.array([s.group_id for s in held.samples], dtype=np.int64),
-            weight_versions=np.array([weight_version_number(s.weight_version) for s in held.samples],
-                                     dtype=np.int64),
-            moments=None if held.partial is None else held.partial.moments,
-            diagnostics=None if held.partial is None else held.partial.diagnostics)
-
-    def gae_partial(self, iteration: int, values: np.ndarray):
-        """GAE: the critic's values of this worker's samples -> the moments it contributes."""
-        import dataclasses
-
-        from megatron_agent.algorithms.group_advantages import partial_advantages
-        from megatron_agent.samples import step_columns
-
-        held = self.held[iteration]
-        columns = dataclasses.replace(step_columns(held.samples), values=np.asarray(values, dtype=np.float64))
-        held.partial, held.finished = partial_advantages(columns, self.config.algorithm), None
-        return held.partial.moments
-
-    def advantages(self, iteration: int, moments) -> tuple[np.ndarray, np.ndarray]:
-        """(advantages, returns) of the kept samples, finished with the whole batch's moments."""
-        from megatron_agent.algorithms.group_advantages import finish_advantages
-
-        held = self.held[iteration]
-        if held.finished is None or held.finished[0] != moments:
-            done = finish_advantages(held.partial, moments, self.config.algorithm)
-            held.finished = (moments, done.advantages, done.returns)
-        return held.finished[1], held.finished[2]
-
-    def samples(self, iteration: int) -> list:
-        """The kept samples (a checkpoint of a rollout done ahead holds them)."""
-        return self.held[iteration].samples
-
-    def restore(self, iteration: int, samples: list) -> None:
-        """A rollout done ahead, from a checkpoint: its kept samples, as `samples` gave them."""
-        self.begin(iteration)
-        self.held[iteration].samples = list(samples)
-        self.keep(iteration, None)
-
-    def shard(self, iteration: int, rows: Sequence[int], moments=None) -> dict:
-        """Rows `rows` of the kept samples, compact: int32 token ids and float32 response
-        logprobs, unpadded and flat, with each row's prompt and response lengths; the
-        advantages (not for GAE: its are computed later) and the images of an image prompt."""
-        from megatron_agent.worker_batches import compact_shard
-
-        held = self.held[iteration]
-        rows = np.asarray(rows, dtype=np.int64)
-        advantages = self.advantages(iteration, moments)[0][rows] if held.partial is not None else None
-        return compact_shard([held.samples[int(r)] for r in rows], advantages)
-
-    def close(self) -> None:
-        if self.own_engine_client and self.engine is not None:
-            self.engine.close()
-        self.envs.close()
-
-
-@dataclass
-class HeldRollout:
-    """A worker's samples of one iteration, and their advantages as far as they go."""
-
-    samples: list = field(default_factory=list)
-    partial: object = None  # algorithms.group_advantages.PartialAdvantages
-    finished: tuple | None = None  # (moments, advantages, returns)
-
-
-def without_pixels(sample):
-    """A step sample for run_dir/samples, which shows its images' shapes only: the frames
-    stay on the worker."""
-    import dataclasses
-    from types import SimpleNamespace
-
-    if not sample.images and sample.pixel_values is None:
-        return sample
-    return dataclasses.replace(sample, images=[SimpleNamespace(shape=tuple(im.shape)) for im in sample.images],
-                               pixel_values=None, image_grid_thw=None)
-
-
 def summed(parts: list[dict | None]) -> dict[str, float]:
     """The key-wise sum of the dicts in `parts` (None and {} count as nothing)."""
     out: dict[str, float] = {}
@@ -289,11 +82,6 @@ def summed(parts: list[dict | None]) -> dict[str, float]:
         for key, value in (part or {}).items():
             out[key] = out.get(key, 0.0) + value
     return out
-
-
-def weight_version_number(version) -> int:
-    """An engine's weight version as a number (its first weights, "default", are 0)."""
-    return int(version) if str(version).isdigit() else 0
 
 
 @dataclass
@@ -340,7 +128,10 @@ class RolloutWorkers:
         self.handles: list = []
         try:
             if self.remote:
-                self.started_ray = ensure_ray(config)
+                from megatron_agent.placement import ensure_ray
+
+                r, p = config.rollout, config.placement
+                self.started_ray = ensure_ray(p, cpus=r.workers * r.cpus_per_worker + p.cpus_per_trainer)
             self.handles = [make_worker(k) if make_worker else self._start(k) for k in range(self.count)]
         except BaseException:
             self.close()
@@ -543,22 +334,3 @@ class RolloutWorkers:
         else:
             for h in self.handles:
                 h.close()
-
-
-def ensure_ray(config) -> bool:
-    """Connect this process to Ray (placement.ray_address, or a local instance started
-    here); True when it was started here (and is stopped with the workers)."""
-    import os
-
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if config.placement.ray_address:
-        ray.init(address=config.placement.ray_address, runtime_env=config.placement.runtime_env or None)
-        return False
-    wanted = config.rollout.workers * config.rollout.cpus_per_worker + config.placement.cpus_per_trainer
-    # address="local": a new instance, even where another Ray cluster runs on this machine
-    ray.init(address="local", num_cpus=max(int(np.ceil(wanted)), os.cpu_count() or 1), include_dashboard=False,
-             runtime_env=config.placement.runtime_env or None)
-    return True

@@ -3,7 +3,7 @@
     seeds = rollout_seeds(config, iteration, attempt)   # one env seed per group
     columns = step_columns(samples)                     # the estimators' StepSamples (numpy columns)
 
-The rollout workers (rollout_workers.py) roll out with these seeds and compute their
+The rollout workers (rollout_worker.py) roll out with these seeds and compute their
 groups' advantages from these columns; worker_batches.py makes the trainer's batches.
 """
 

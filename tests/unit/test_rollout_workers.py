@@ -14,7 +14,8 @@ import torch
 from envs import EnvManager
 from megatron_agent.algorithms import compute_advantages
 from megatron_agent.models.tiny import build_tokenizer
-from megatron_agent.rollout_workers import RolloutWorker, RolloutWorkers, whole_order, worker_groups
+from megatron_agent.rollout_worker import RolloutWorker, worker_groups
+from megatron_agent.rollout_workers import RolloutWorkers, whole_order
 from megatron_agent.run_config import load_run_config
 from megatron_agent.samples import rollout_seeds, step_columns
 from megatron_agent.training.batch import TrainBatch
