@@ -1,20 +1,25 @@
 """GiGPO against GRPO: the same tasks, seeds, model and settings; only the advantage differs.
 
-    .venv/bin/python bench/gigpo_vs_grpo.py                      # 2 tasks x 2 algorithms x 3 seeds (~16 min)
-    .venv/bin/python bench/gigpo_vs_grpo.py --iterations 40 --seeds 0 --tasks sparse
-    .venv/bin/python bench/gigpo_vs_grpo.py --quick              # the script end to end, measures nothing
+    .venv/bin/python bench/gigpo_vs_grpo.py                        # 3 tasks x 2 algorithms x 10 seeds
+    .venv/bin/python bench/gigpo_vs_grpo.py --tasks maze --seeds 0 1 2
+    .venv/bin/python bench/gigpo_vs_grpo.py --quick                # the script end to end, measures nothing
 
-Tasks (NumberLine 0..5 with the CPU main job's model and prompt; the observation is the
-anchor, so the same state recurs at different steps of a trajectory and across the
-trajectories of a group, where GiGPO's step groups carry information):
-  dense   the main job's shaped reward (+1 at the target, -1 for a step that does not get closer)
-  sparse  +1 at the target, -0.1 for every other step: only the outcome and the length
-          separate episodes
+Tasks:
+  dense   NumberLine 0..5, the CPU main job (shaped reward: +1 at the target, -1 for a step
+          that does not get closer), its model trained from scratch; 80 iterations
+  sparse  the same with +1 at the target and -0.1 for every other step; 80 iterations
+  maze    KeyMaze (+experiment=maze): a fixed maze with dead ends, a key and a door,
+          solutions of 12-24 moves, reward 1 at the goal only; the tiny model imitates
+          noisy expert episodes first; 40 iterations
 
-Each run is a full training run (`megatron_agent.driver.train`, one process each) for a
-fixed number of iterations (no early stop). Writes RUN_ROOT/<task>-<algorithm>-seed<N>/,
-a Markdown table (RUN_ROOT/results.md) and success-rate curves (RUN_ROOT/<task>.png).
-It says how long it expects to take when it starts, and how far each run has got.
+A seed fixes the model's initialisation (and its warm start), the environments' seeds and
+the sampling, so the two algorithms' runs with one seed are paired. Each run trains for a
+fixed number of iterations (no early stop): equal episodes per iteration and equal
+updates; the step samples each run trained on are reported. Writes
+RUN_ROOT/<task>-<algorithm>-seed<N>/, RUN_ROOT/results.md (the tables docs/cpu_job.md
+shows) and RUN_ROOT/<task>.png (curves: the mean over seeds, a min..max band). The runs are
+deterministic: the same commit gives the same tables digit for digit (wall times are
+printed, never tabled).
 """
 
 from __future__ import annotations
@@ -24,19 +29,23 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
+# task -> (its overrides, its iterations)
 TASKS = {
-    "dense": [],
-    "sparse": ["+experiment=numberline-sparse"],
+    "dense": ([], 80),
+    "sparse": (["+experiment=numberline-sparse"], 80),
+    "maze": (["+experiment=maze"], 40),
 }
 ALGORITHMS = ("grpo", "gigpo")
-# What a run costs on 2 cores (docs/cpu_job.md: the main job's ~0.75 s per iteration of
-# 16 groups x 8, ~10 s to start a process, its engine and the model), for the estimate
-# printed at the start.
-SECONDS_PER_ITERATION = 0.8
-START_UP_S = 10.0
+# What a run costs on 2 idle cores, for the estimate printed at the start: (start-up s, s per iteration)
+COST = {"dense": (10.0, 0.6), "sparse": (10.0, 0.7), "maze": (30.0, 3.0)}
 PROGRESS_EVERY = 10  # iterations between a run's progress lines
 # --quick: one iteration of 2 groups x 2 per run, seed 0, the dense task
 QUICK = ["num_groups=2", "group_size=2", "loop.validation.num_episodes=2"]
+DIAGNOSTICS = ("gigpo/shared_state_fraction", "gigpo/step_group_size", "gigpo/step_to_episode_abs",
+               "gigpo/sign_disagreement")
+BOOTSTRAP_RESAMPLES = 10_000
 
 
 def run_one(overrides: list[str], label: str) -> None:
@@ -58,11 +67,16 @@ def run_one(overrides: list[str], label: str) -> None:
 def summarize(run_dir: Path, tail: int) -> dict:
     from megatron_agent.plot import load_runs, phase_figures
 
-    run = load_runs([run_dir])[0]
-    success = [r["train/success_rate"] for r in run.rows]
-    return {"final": statistics.mean(success[-tail:]), "mean": statistics.mean(success),
-            "reach": phase_figures(run)["reached_iteration"],  # the 3-iteration average at 0.9
-            "length": statistics.mean(r["train/episode_length"] for r in run.rows[-tail:])}
+    rows = load_runs([run_dir])[0].rows
+    success = [r["train/success_rate"] for r in rows]
+    summary = {"final": statistics.mean(success[-tail:]), "mean": statistics.mean(success),
+               "reach": phase_figures(load_runs([run_dir])[0])["reached_iteration"],  # 3-iteration average >= 0.9
+               "length": statistics.mean(r["train/episode_length"] for r in rows[-tail:]),
+               "samples": sum(r["train/num_samples"] for r in rows), "seconds": rows[-1]["time/elapsed"]}
+    for key in DIAGNOSTICS:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        summary[key] = statistics.mean(values) if values else None
+    return summary
 
 
 def sign_test_p(differences: list[float]) -> float:
@@ -74,10 +88,39 @@ def sign_test_p(differences: list[float]) -> float:
     return min(1.0, 2 * sum(comb(n, i) for i in range(k, n + 1)) / 2**n) if n else 1.0
 
 
+def bootstrap_interval(differences: list[float], level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean paired difference (seeds resampled with
+    replacement; a fixed generator, so the same differences give the same interval)."""
+    values = np.asarray(differences, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(len(values), size=(BOOTSTRAP_RESAMPLES, len(values)))
+    means = values[picks].mean(axis=1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
 def fmt(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.3f}"
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def paired_rows(task: str, gigpo: list[dict], grpo: list[dict]) -> list[str]:
+    rows = []
+    for key, name in (("mean", "mean success, all iterations"), ("final", "success, last iterations")):
+        diffs = [g[key] - r[key] for g, r in zip(gigpo, grpo)]
+        low, high = bootstrap_interval(diffs)
+        rows.append(f"| {task} | {name} | {statistics.mean(diffs):+.3f} | [{low:+.3f}, {high:+.3f}] | "
+                    f"{sum(d > 0 for d in diffs)} of {len(diffs)} | {sign_test_p(diffs):.3f} | "
+                    + " ".join(f"{d:+.3f}" for d in diffs) + " |")
+    return rows
+
+
+def diagnostics_row(task: str, gigpo: list[dict]) -> str:
+    cells = []
+    for key in DIAGNOSTICS:
+        values = [s[key] for s in gigpo if s[key] is not None]
+        cells.append(f"{statistics.mean(values):.3f}" if values else "–")
+    return f"| {task} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
@@ -86,8 +129,8 @@ def main() -> None:
     from megatron_agent.run_dir import read_metrics
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=80)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--iterations", type=int, default=None, help="for every task (default: each task's own)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--run-root", default="runs/gigpo-vs-grpo")
     parser.add_argument("--tail", type=int, default=10, help="iterations averaged for the final success rate")
@@ -99,20 +142,19 @@ def main() -> None:
     extra = []
     if args.quick:
         args.iterations, args.seeds, args.tasks, extra = 1, [0], ["dense"], QUICK
+    iterations = {task: args.iterations or TASKS[task][1] for task in args.tasks}
     runs = len(args.tasks) * len(ALGORITHMS) * len(args.seeds)
-    expected = runs * (START_UP_S + args.iterations * SECONDS_PER_ITERATION)
+    expected = len(ALGORITHMS) * len(args.seeds) * sum(COST[t][0] + iterations[t] * COST[t][1] for t in args.tasks)
     print(f"gigpo_vs_grpo: {len(args.tasks)} task(s) x {len(ALGORITHMS)} algorithms x {len(args.seeds)} seed(s) = "
-          f"{runs} runs of {args.iterations} iterations, one after the other; expected about "
-          f"{f'{expected / 60:.0f} minutes' if expected >= 120 else f'{expected:.0f} s'} on 2 idle cores "
-          f"(~{START_UP_S:.0f} s start-up and "
-          f"~{SECONDS_PER_ITERATION} s per iteration each)", flush=True)
+          f"{runs} runs, one after the other; expected about "
+          f"{f'{expected / 60:.0f} minutes' if expected >= 120 else f'{expected:.0f} s'} on 2 idle cores", flush=True)
     started, count = time.perf_counter(), 0
 
     root = Path(args.run_root)
-    table = [f"| task | algorithm | final success (last {args.tail} it) | mean success (all it) | iterations to 0.9 "
-             f"(per seed) | episode length (last {args.tail} it) |",
-             "|---|---|---|---|---|---|"]
-    paired = []
+    table = [f"| task | algorithm | success, last {args.tail} iterations | success, mean over all | runs reaching "
+             f"a 0.9 average (first iteration) | episode length, last {args.tail} | step samples per run |",
+             "|---|---|---|---|---|---|---|"]
+    paired, diagnostics = [], []
     for task in args.tasks:
         dirs, by_algorithm = [], {}
         for algorithm in ALGORITHMS:
@@ -121,29 +163,33 @@ def main() -> None:
                 run_dir = root / f"{task}-{algorithm}-seed{seed}"
                 dirs.append(run_dir)
                 count += 1
-                if not (args.reuse and len(read_metrics(run_dir)) == args.iterations):
+                if not (args.reuse and len(read_metrics(run_dir)) == iterations[task]):
                     label = f"{task} {algorithm} seed {seed}"
                     print(f"run {count}/{runs}: {label} ({time.perf_counter() - started:.0f} s so far)", flush=True)
                     run_on_ranks(run_one, 1, [f"run_dir={run_dir}", f"algorithm={algorithm}", f"seed={seed}",
-                                              f"iterations={args.iterations}", "stop_success=null", "val_every=0",
-                                              "save_every=0", "samples_every=0", *TASKS[task], *extra], label,
+                                              f"iterations={iterations[task]}", "stop_success=null", "val_every=0",
+                                              "save_every=0", "samples_every=0", *TASKS[task][0], *extra], label,
                                  timeout_s=3600)
                 summaries.append(summarize(run_dir, args.tail))
-            reach = ", ".join(str(s["reach"]) if s["reach"] is not None else "–" for s in summaries)
+            reached = [s["reach"] for s in summaries if s["reach"] is not None]
             table.append(f"| {task} | {algorithm} | {fmt([s['final'] for s in summaries])} | "
-                         f"{fmt([s['mean'] for s in summaries])} | {reach} | "
-                         f"{fmt([s['length'] for s in summaries])} |")
+                         f"{fmt([s['mean'] for s in summaries])} | {len(reached)} of {len(summaries)}"
+                         f"{f' ({statistics.median(reached):.0f})' if reached else ''} | "
+                         f"{fmt([s['length'] for s in summaries])} | "
+                         f"{statistics.mean(s['samples'] for s in summaries):.0f} |")
+            print(f"{task} {algorithm}: {statistics.mean(s['seconds'] for s in summaries):.0f} s per run",
+                  flush=True)
         plot_runs(load_runs(dirs), root / f"{task}.png", keys=["train/success_rate", "train/episode_length"],
                   average_seeds=True)
-        # Same seed, same initial model and env seeds: compare the two algorithms seed by seed.
-        for key in ("mean", "final"):
-            diffs = [g[key] - r[key] for g, r in zip(by_algorithm["gigpo"], by_algorithm["grpo"])]
-            paired.append(f"| {task} | {key} | " + " | ".join(f"{d:+.3f}" for d in diffs)
-                          + f" | {sum(d > 0 for d in diffs)}/{len(diffs)} | {sign_test_p(diffs):.3f} |")
-    seeds = " | ".join(f"seed {s}" for s in args.seeds)
-    table += ["", f"GiGPO minus GRPO, paired by seed (mean: over all iterations; final: last {args.tail})", "",
-              f"| task | success | {seeds} | GiGPO higher | sign test p |",
-              "|---|---|" + "---|" * len(args.seeds) + "---|---|", *paired]
+        paired += paired_rows(task, by_algorithm["gigpo"], by_algorithm["grpo"])
+        diagnostics.append(diagnostics_row(task, by_algorithm["gigpo"]))
+    table += ["", f"GiGPO minus GRPO, paired by seed (last iterations: the last {args.tail}); the interval is a "
+              f"95 % bootstrap interval of the mean difference; per seed in seed order {args.seeds}", "",
+              "| task | success | mean difference | 95 % interval | GiGPO higher | sign test p | per seed |",
+              "|---|---|---|---|---|---|---|", *paired,
+              "", "GiGPO's diagnostics, mean over its runs' iterations (docs/algorithms.md)", "",
+              "| task | shared-state fraction | step-group size | abs(step adv.) / abs(episode adv.) | "
+              "sign disagreement |", "|---|---|---|---|---|", *diagnostics]
     text = "\n".join(table)
     (root / "results.md").write_text(text + "\n")
     print(text)

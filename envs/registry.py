@@ -34,6 +34,7 @@ _BUILTIN_MODULES = {
     "webshop": "envs.webshop",
     "alfworld": "envs.alfworld",
     "visual_quiz": "envs.visual_quiz",
+    "maze": "envs.maze",
 }
 
 

@@ -24,6 +24,7 @@ from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.rollout_workers import RolloutWorkersConfig
 from megatron_agent.training.actor import ActorConfig
 from megatron_agent.training.checks import LogprobCheckConfig
+from megatron_agent.warm_start import WarmStartConfig
 from megatron_agent.weight_sync import WeightSyncConfig
 from rollout.agent_loop import LOOP_MODES, AgentLoopConfig
 from rollout.engine_launch import EngineConfig
@@ -39,6 +40,8 @@ class TinyModelConfig:
     preset: str = "tiny"
     num_hidden_layers: int = 2
     tokenizer: str = "words"  # "words": the 43-word job vocabulary; "bpe": byte-level BPE
+    # Imitation of the env's noisy expert before RL (megatron_agent/warm_start.py).
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
 @dataclass
@@ -166,6 +169,7 @@ def validate_run_config(run: RunConfig) -> None:
         env_copy = make_env(run.env, dict(run.env_config))
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:  # a missing extra or data folder too
         raise ConfigError(f"env_config ({run.env}): {err}") from None
+    validate_warm_start(run, env_copy)
     for key in ("num_groups", "group_size", "iterations"):
         if getattr(run, key) < 1:
             raise ConfigError(f"{key}={getattr(run, key)} must be >= 1")
@@ -207,6 +211,23 @@ def validate_run_config(run: RunConfig) -> None:
         problem = env_copies_memory_problem(run, psutil.virtual_memory().available)
         if problem:
             raise ConfigError(problem)
+
+
+def validate_warm_start(run: RunConfig, env_copy) -> None:
+    warm = run.tiny_model.warm_start
+    try:
+        warm.validate()
+    except ValueError as err:
+        raise ConfigError(f"tiny_model.warm_start: {err}") from None
+    if not warm.episodes:
+        return
+    if run.model_dir is not None:
+        raise ConfigError(f"tiny_model.warm_start.episodes={warm.episodes} with model_dir={run.model_dir!r}: the warm "
+                          "start trains the tiny model made on the spot; set model_dir=null or "
+                          "tiny_model.warm_start.episodes=0")
+    if not callable(getattr(env_copy, "expert_action", None)):
+        raise ConfigError(f"tiny_model.warm_start.episodes={warm.episodes}: env={run.env!r} has no expert_action() "
+                          "to imitate (env=maze has one); set tiny_model.warm_start.episodes=0")
 
 
 def env_copies_memory_problem(run: RunConfig, available_bytes: int) -> str | None:

@@ -3,6 +3,7 @@
     run_dir/
       config.json            the resolved RunConfig
       model/                 the tiny model made on the spot (when model_dir is None)
+      warm_start.json        with tiny_model.warm_start: what the imitation did (megatron_agent/warm_start.py)
       engine_model_fp8/      with weight_sync.quantize=fp8: the model as block FP8, what the engines start from
       metrics.jsonl          one JSON row per iteration (rank 0)
       progress.json          where the current iteration is (phase, episodes, steps, requests in
@@ -17,6 +18,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,8 +45,21 @@ def prepare_run_dir(config) -> None:
     model_dir = model_dir_of(config)
     if not (Path(model_dir) / "config.json").exists():
         tiny = config.tiny_model  # a text or a vision-language family (write_tiny_model makes both)
-        write_tiny_model(tiny.family, model_dir, preset=tiny.preset, seed=config.seed, tokenizer=tiny.tokenizer,
+        # With a warm start, the model is trained in a staging directory and renamed when done.
+        staging = Path(f"{model_dir}.warm-start") if tiny.warm_start.episodes else Path(model_dir)
+        shutil.rmtree(staging, ignore_errors=True)
+        write_tiny_model(tiny.family, staging, preset=tiny.preset, seed=config.seed, tokenizer=tiny.tokenizer,
                          num_hidden_layers=tiny.num_hidden_layers)
+        if tiny.warm_start.episodes:
+            from megatron_agent.warm_start import warm_start
+
+            done = warm_start(config, staging)
+            print(f"warm start: imitated {done.steps} steps of {tiny.warm_start.episodes} noisy expert episodes "
+                  f"(noise {tiny.warm_start.noise}, the expert won {done.expert_success:.2f}), action loss "
+                  f"{done.first_loss:.3f} -> {done.last_loss:.3f} over {tiny.warm_start.epochs} epochs, "
+                  f"{done.seconds:.1f} s", flush=True)
+            (run_dir / "warm_start.json").write_text(json.dumps(asdict(done), indent=2))
+            os.replace(staging, model_dir)
     if config.weight_sync.quantize == "fp8":
         from megatron_agent.weight_sync.fp8 import write_fp8_checkpoint
 

@@ -192,15 +192,26 @@ def test_every_file_is_authoritative_for_what_it_sets(selection, model_dirs):
                        overridden=special)
 
 
+def experiment_selection(experiment):
+    """The default groups with the experiment's own `override /GROUP: OPTION` entries."""
+    raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "experiment" / f"{experiment}.yaml"))
+    chosen = {key.removeprefix("override /"): option for entry in raw.get("defaults", []) if isinstance(entry, dict)
+              for key, option in entry.items()}
+    return {**DEFAULTS, **chosen}
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_an_experiment_overrides_on_purpose(experiment, model_dirs):
-    resolved = resolve(DEFAULTS, model_dirs, [f"+experiment={experiment}"])
+    selection = experiment_selection(experiment)
+    resolved = resolve(selection, model_dirs, [f"+experiment={experiment}"])
     mine = KEYS["experiment", experiment]
+    special_name, special = specialization(selection)
     assert_arrives(resolved, f"experiment/{experiment}.yaml", mine, model_dirs)
-    assert_arrives(resolved, "config.yaml", BODY, model_dirs, overridden=mine)
+    assert_arrives(resolved, special_name, special, model_dirs, overridden=mine)
+    assert_arrives(resolved, "config.yaml", BODY, model_dirs, overridden=[*mine, *special])
     for group in GROUPS:
-        assert_arrives(resolved, f"{group}/{DEFAULTS[group]}.yaml", KEYS[group, DEFAULTS[group]], model_dirs,
-                       overridden=mine)
+        assert_arrives(resolved, f"{group}/{selection[group]}.yaml", KEYS[group, selection[group]], model_dirs,
+                       overridden=[*mine, *special])
 
 
 def test_the_cluster_presets_keep_their_settings(model_dirs):
