@@ -96,7 +96,7 @@ def memory_problem(env_config: Any, num_copies: int, available_bytes: int) -> st
         return None
     name = next((s.name for s in _REGISTRY.values() if isinstance(env_config, s.config_cls)),
                 type(env_config).__name__)
-    fits = budget // per_copy if per_copy else num_copies
+    fits = budget // per_copy  # per_copy > 0: a zero cost fits above
     remedy = (f"at most {fits} fit: lower num_groups or group_size (and loop.validation.num_episodes when "
               f"validating) so that they hold at most {fits} copies together" if fits else "not one fits: free memory first")
     return (f"env={name}: {num_copies} env copies would take {needed / 2**30:.1f} GiB (one process of "
