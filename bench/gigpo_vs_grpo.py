@@ -1,6 +1,6 @@
 """GiGPO against GRPO: the same tasks, seeds, model and settings; only the advantage differs.
 
-    .venv/bin/python bench/gigpo_vs_grpo.py                        # 3 tasks x 2 algorithms x 10 seeds
+    .venv/bin/python bench/gigpo_vs_grpo.py                        # 3 tasks x 3 arms x 10 seeds
     .venv/bin/python bench/gigpo_vs_grpo.py --tasks maze --seeds 0 1 2
     .venv/bin/python bench/gigpo_vs_grpo.py --quick                # the script end to end, measures nothing
 
@@ -13,10 +13,11 @@ Tasks:
           noisy expert episodes first; 40 iterations
 
 A seed fixes the model's initialisation (and its warm start), the environments' seeds and
-the sampling, so the two algorithms' runs with one seed are paired. Each run trains for a
+the sampling, so the arms' runs with one seed are paired. Arms: grpo, gigpo (the paper's
+GiGPO: unscaled advantages) and gigpo_std (GiGPO divided by the std as GRPO is). Each run trains for a
 fixed number of iterations (no early stop): equal episodes per iteration and equal
 updates; the step samples each run trained on are reported. Writes
-RUN_ROOT/<task>-<algorithm>-seed<N>/, RUN_ROOT/results.md (the tables docs/cpu_job.md
+RUN_ROOT/<task>-<arm>-seed<N>/, RUN_ROOT/results.md (the tables docs/cpu_job.md
 shows) and RUN_ROOT/<task>.png (curves: the mean over seeds, a min..max band). The runs are
 deterministic: the same commit gives the same tables digit for digit (wall times are
 printed, never tabled).
@@ -37,14 +38,18 @@ TASKS = {
     "sparse": (["+experiment=numberline-sparse"], 80),
     "maze": (["+experiment=maze"], 40),
 }
-ALGORITHMS = ("grpo", "gigpo")
+# arm -> its overrides. GiGPO's default (the paper's) leaves both halves unscaled ("mean_norm":
+# R - mean), GRPO divides by the group's std; gigpo_std is GiGPO with GRPO's scaling
+# (both halves "mean_std_norm"), the control that separates the step half from the scale.
+ARMS = {"grpo": ["algorithm=grpo"], "gigpo": ["algorithm=gigpo"],
+        "gigpo_std": ["algorithm=gigpo", "algorithm.gigpo_mode=mean_std_norm"]}
 # What a run costs on 2 idle cores, for the estimate printed at the start: (start-up s, s per iteration)
 COST = {"dense": (10.0, 0.6), "sparse": (10.0, 0.7), "maze": (30.0, 3.0)}
 PROGRESS_EVERY = 10  # iterations between a run's progress lines
 # --quick: one iteration of 2 groups x 2 per run, seed 0, the dense task
 QUICK = ["num_groups=2", "group_size=2", "loop.validation.num_episodes=2"]
-DIAGNOSTICS = ("gigpo/shared_state_fraction", "gigpo/step_group_size", "gigpo/step_to_episode_abs",
-               "gigpo/sign_disagreement")
+DIAGNOSTICS = ("gigpo/shared_state_fraction", "gigpo/step_group_size", "gigpo/episode_advantage_abs",
+               "gigpo/step_advantage_abs", "gigpo/step_to_episode_abs", "gigpo/sign_disagreement")
 BOOTSTRAP_RESAMPLES = 10_000
 
 
@@ -104,23 +109,23 @@ def fmt(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
-def paired_rows(task: str, gigpo: list[dict], grpo: list[dict]) -> list[str]:
+def paired_rows(task: str, arm: str, arm_runs: list[dict], grpo: list[dict]) -> list[str]:
     rows = []
-    for key, name in (("mean", "mean success, all iterations"), ("final", "success, last iterations")):
-        diffs = [g[key] - r[key] for g, r in zip(gigpo, grpo)]
+    for key, name in (("mean", "mean over all iterations"), ("final", "last iterations")):
+        diffs = [a[key] - g[key] for a, g in zip(arm_runs, grpo)]
         low, high = bootstrap_interval(diffs)
-        rows.append(f"| {task} | {name} | {statistics.mean(diffs):+.3f} | [{low:+.3f}, {high:+.3f}] | "
+        rows.append(f"| {task} | {arm} | {name} | {statistics.mean(diffs):+.3f} | [{low:+.3f}, {high:+.3f}] | "
                     f"{sum(d > 0 for d in diffs)} of {len(diffs)} | {sign_test_p(diffs):.3f} | "
                     + " ".join(f"{d:+.3f}" for d in diffs) + " |")
     return rows
 
 
-def diagnostics_row(task: str, gigpo: list[dict]) -> str:
+def diagnostics_row(task: str, arm: str, runs: list[dict]) -> str:
     cells = []
     for key in DIAGNOSTICS:
-        values = [s[key] for s in gigpo if s[key] is not None]
+        values = [s[key] for s in runs if s[key] is not None]
         cells.append(f"{statistics.mean(values):.3f}" if values else "–")
-    return f"| {task} | " + " | ".join(cells) + " |"
+    return f"| {task} | {arm} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
@@ -132,6 +137,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=None, help="for every task (default: each task's own)")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                        help="grpo is the baseline every other arm is paired with")
     parser.add_argument("--run-root", default="runs/gigpo-vs-grpo")
     parser.add_argument("--tail", type=int, default=10, help="iterations averaged for the final success rate")
     parser.add_argument("--reuse", action="store_true", help="skip runs whose metrics are already complete")
@@ -141,55 +148,57 @@ def main() -> None:
     args = parser.parse_args()
     extra = []
     if args.quick:
-        args.iterations, args.seeds, args.tasks, extra = 1, [0], ["dense"], QUICK
+        args.iterations, args.seeds, args.tasks, args.arms, extra = 1, [0], ["dense"], ["grpo", "gigpo"], QUICK
+    arms = list(dict.fromkeys(["grpo", *args.arms]))
     iterations = {task: args.iterations or TASKS[task][1] for task in args.tasks}
-    runs = len(args.tasks) * len(ALGORITHMS) * len(args.seeds)
-    expected = len(ALGORITHMS) * len(args.seeds) * sum(COST[t][0] + iterations[t] * COST[t][1] for t in args.tasks)
-    print(f"gigpo_vs_grpo: {len(args.tasks)} task(s) x {len(ALGORITHMS)} algorithms x {len(args.seeds)} seed(s) = "
+    runs = len(args.tasks) * len(arms) * len(args.seeds)
+    expected = len(arms) * len(args.seeds) * sum(COST[t][0] + iterations[t] * COST[t][1] for t in args.tasks)
+    print(f"gigpo_vs_grpo: {len(args.tasks)} task(s) x {len(arms)} arms x {len(args.seeds)} seed(s) = "
           f"{runs} runs, one after the other; expected about "
           f"{f'{expected / 60:.0f} minutes' if expected >= 120 else f'{expected:.0f} s'} on 2 idle cores", flush=True)
     started, count = time.perf_counter(), 0
 
     root = Path(args.run_root)
-    table = [f"| task | algorithm | success, last {args.tail} iterations | success, mean over all | runs reaching "
-             f"a 0.9 average (first iteration) | episode length, last {args.tail} | step samples per run |",
+    table = [f"| task | arm | success, last {args.tail} iterations | success, mean over all | runs reaching "
+             f"a 0.9 average (median first iteration) | episode length, last {args.tail} | step samples per run |",
              "|---|---|---|---|---|---|---|"]
     paired, diagnostics = [], []
     for task in args.tasks:
-        dirs, by_algorithm = [], {}
-        for algorithm in ALGORITHMS:
-            summaries = by_algorithm[algorithm] = []
+        dirs, by_arm = [], {}
+        for arm in arms:
+            summaries = by_arm[arm] = []
             for seed in args.seeds:
-                run_dir = root / f"{task}-{algorithm}-seed{seed}"
+                run_dir = root / f"{task}-{arm}-seed{seed}"
                 dirs.append(run_dir)
                 count += 1
                 if not (args.reuse and len(read_metrics(run_dir)) == iterations[task]):
-                    label = f"{task} {algorithm} seed {seed}"
+                    label = f"{task} {arm} seed {seed}"
                     print(f"run {count}/{runs}: {label} ({time.perf_counter() - started:.0f} s so far)", flush=True)
-                    run_on_ranks(run_one, 1, [f"run_dir={run_dir}", f"algorithm={algorithm}", f"seed={seed}",
+                    run_on_ranks(run_one, 1, [f"run_dir={run_dir}", *ARMS[arm], f"seed={seed}",
                                               f"iterations={iterations[task]}", "stop_success=null", "val_every=0",
                                               "save_every=0", "samples_every=0", *TASKS[task][0], *extra], label,
                                  timeout_s=3600)
                 summaries.append(summarize(run_dir, args.tail))
             reached = [s["reach"] for s in summaries if s["reach"] is not None]
-            table.append(f"| {task} | {algorithm} | {fmt([s['final'] for s in summaries])} | "
+            table.append(f"| {task} | {arm} | {fmt([s['final'] for s in summaries])} | "
                          f"{fmt([s['mean'] for s in summaries])} | {len(reached)} of {len(summaries)}"
                          f"{f' ({statistics.median(reached):.0f})' if reached else ''} | "
                          f"{fmt([s['length'] for s in summaries])} | "
                          f"{statistics.mean(s['samples'] for s in summaries):.0f} |")
-            print(f"{task} {algorithm}: {statistics.mean(s['seconds'] for s in summaries):.0f} s per run",
+            print(f"{task} {arm}: {statistics.mean(s['seconds'] for s in summaries):.0f} s per run",
                   flush=True)
         plot_runs(load_runs(dirs), root / f"{task}.png", keys=["train/success_rate", "train/episode_length"],
                   average_seeds=True)
-        paired += paired_rows(task, by_algorithm["gigpo"], by_algorithm["grpo"])
-        diagnostics.append(diagnostics_row(task, by_algorithm["gigpo"]))
-    table += ["", f"GiGPO minus GRPO, paired by seed (last iterations: the last {args.tail}); the interval is a "
-              f"95 % bootstrap interval of the mean difference; per seed in seed order {args.seeds}", "",
-              "| task | success | mean difference | 95 % interval | GiGPO higher | sign test p | per seed |",
-              "|---|---|---|---|---|---|---|", *paired,
+        for arm in arms[1:]:
+            paired += paired_rows(task, arm, by_arm[arm], by_arm["grpo"])
+            diagnostics.append(diagnostics_row(task, arm, by_arm[arm]))
+    table += ["", f"Each arm minus GRPO in success, paired by seed (last iterations: the last {args.tail}); the "
+              f"interval is a 95 % bootstrap interval of the mean difference; per seed in seed order {args.seeds}",
+              "", "| task | arm | success | mean difference | 95 % interval | arm higher | sign test p | per seed |",
+              "|---|---|---|---|---|---|---|---|", *paired,
               "", "GiGPO's diagnostics, mean over its runs' iterations (docs/algorithms.md)", "",
-              "| task | shared-state fraction | step-group size | abs(step adv.) / abs(episode adv.) | "
-              "sign disagreement |", "|---|---|---|---|---|", *diagnostics]
+              "| task | arm | shared-state fraction | step-group size | mean abs(A_E) | mean abs(A_S) | "
+              "their ratio | sign disagreement |", "|---|---|---|---|---|---|---|---|", *diagnostics]
     text = "\n".join(table)
     (root / "results.md").write_text(text + "\n")
     print(text)
