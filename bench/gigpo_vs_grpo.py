@@ -44,7 +44,7 @@ TASKS = {
 ARMS = {"grpo": ["algorithm=grpo"], "gigpo": ["algorithm=gigpo"],
         "gigpo_std": ["algorithm=gigpo", "algorithm.gigpo_mode=mean_std_norm"]}
 # What a run costs on 2 idle cores, for the estimate printed at the start: (start-up s, s per iteration)
-COST = {"dense": (10.0, 0.6), "sparse": (10.0, 0.7), "maze": (30.0, 3.0)}
+COST = {"dense": (10.0, 0.6), "sparse": (10.0, 0.7), "maze": (30.0, 1.4)}
 PROGRESS_EVERY = 10  # iterations between a run's progress lines
 # --quick: one iteration of 2 groups x 2 per run, seed 0, the dense task
 QUICK = ["num_groups=2", "group_size=2", "loop.validation.num_episodes=2"]
