@@ -51,6 +51,9 @@ QUICK = ["num_groups=2", "group_size=2", "loop.validation.num_episodes=2"]
 DIAGNOSTICS = ("gigpo/shared_state_fraction", "gigpo/step_group_size", "gigpo/episode_advantage_abs",
                "gigpo/step_advantage_abs", "gigpo/step_to_episode_abs", "gigpo/sign_disagreement")
 BOOTSTRAP_RESAMPLES = 10_000
+# A run whose last iterations' actions are mostly invalid has collapsed: with every episode
+# lost, every return in a group is equal and no advantage is left to recover with.
+COLLAPSED = 0.5
 
 
 def run_one(overrides: list[str], label: str) -> None:
@@ -77,6 +80,7 @@ def summarize(run_dir: Path, tail: int) -> dict:
     summary = {"final": statistics.mean(success[-tail:]), "mean": statistics.mean(success),
                "reach": phase_figures(load_runs([run_dir])[0])["reached_iteration"],  # 3-iteration average >= 0.9
                "length": statistics.mean(r["train/episode_length"] for r in rows[-tail:]),
+               "invalid": statistics.mean(r["train/invalid_action_rate"] for r in rows[-tail:]),
                "samples": sum(r["train/num_samples"] for r in rows), "seconds": rows[-1]["time/elapsed"]}
     for key in DIAGNOSTICS:
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
@@ -160,8 +164,9 @@ def main() -> None:
 
     root = Path(args.run_root)
     table = [f"| task | arm | success, last {args.tail} iterations | success, mean over all | runs reaching "
-             f"a 0.9 average (median first iteration) | episode length, last {args.tail} | step samples per run |",
-             "|---|---|---|---|---|---|---|"]
+             f"a 0.9 average (median first iteration) | episode length, last {args.tail} | runs collapsed "
+             f"(invalid actions > {COLLAPSED}, last {args.tail}) | step samples per run |",
+             "|---|---|---|---|---|---|---|---|"]
     paired, diagnostics = [], []
     for task in args.tasks:
         dirs, by_arm = [], {}
@@ -184,6 +189,7 @@ def main() -> None:
                          f"{fmt([s['mean'] for s in summaries])} | {len(reached)} of {len(summaries)}"
                          f"{f' ({statistics.median(reached):.0f})' if reached else ''} | "
                          f"{fmt([s['length'] for s in summaries])} | "
+                         f"{sum(s['invalid'] > COLLAPSED for s in summaries)} of {len(summaries)} | "
                          f"{statistics.mean(s['samples'] for s in summaries):.0f} |")
             print(f"{task} {arm}: {statistics.mean(s['seconds'] for s in summaries):.0f} s per run",
                   flush=True)
