@@ -119,6 +119,7 @@ def paired_rows(task: str, arm: str, arm_runs: list[dict], grpo: list[dict]) -> 
         diffs = [a[key] - g[key] for a, g in zip(arm_runs, grpo)]
         low, high = bootstrap_interval(diffs)
         rows.append(f"| {task} | {arm} | {name} | {statistics.mean(diffs):+.3f} | [{low:+.3f}, {high:+.3f}] | "
+                    f"{statistics.median(diffs):+.3f} | "
                     f"{sum(d > 0 for d in diffs)} of {len(diffs)} | {sign_test_p(diffs):.3f} | "
                     + " ".join(f"{d:+.3f}" for d in diffs) + " |")
     return rows
@@ -200,8 +201,8 @@ def main() -> None:
             diagnostics.append(diagnostics_row(task, arm, by_arm[arm]))
     table += ["", f"Each arm minus GRPO in success, paired by seed (last iterations: the last {args.tail}); the "
               f"interval is a 95 % bootstrap interval of the mean difference; per seed in seed order {args.seeds}",
-              "", "| task | arm | success | mean difference | 95 % interval | arm higher | sign test p | per seed |",
-              "|---|---|---|---|---|---|---|---|", *paired,
+              "", "| task | arm | success | mean difference | 95 % interval | median difference | arm higher | sign test p | "
+              "per seed |", "|---|---|---|---|---|---|---|---|---|", *paired,
               "", "GiGPO's diagnostics, mean over its runs' iterations (docs/algorithms.md)", "",
               "| task | arm | shared-state fraction | step-group size | mean abs(A_E) | mean abs(A_S) | "
               "their ratio | sign disagreement |", "|---|---|---|---|---|---|---|---|", *diagnostics]
