@@ -51,9 +51,10 @@ QUICK = ["num_groups=2", "group_size=2", "loop.validation.num_episodes=2"]
 DIAGNOSTICS = ("gigpo/shared_state_fraction", "gigpo/step_group_size", "gigpo/episode_advantage_abs",
                "gigpo/step_advantage_abs", "gigpo/step_to_episode_abs", "gigpo/sign_disagreement")
 BOOTSTRAP_RESAMPLES = 10_000
-# A run whose last iterations' actions are mostly invalid has collapsed: with every episode
-# lost, every return in a group is equal and no advantage is left to recover with.
-COLLAPSED = 0.5
+# A run whose last iterations' actions are mostly invalid: on the maze it has collapsed (every
+# episode lost, every return in a group equal, no advantage left to recover with); on
+# NumberLine a run can still win half its episodes so.
+MOSTLY_INVALID = 0.5
 
 
 def run_one(overrides: list[str], label: str) -> None:
@@ -165,8 +166,8 @@ def main() -> None:
 
     root = Path(args.run_root)
     table = [f"| task | arm | success, last {args.tail} iterations | success, mean over all | runs reaching "
-             f"a 0.9 average (median first iteration) | episode length, last {args.tail} | runs collapsed "
-             f"(invalid actions > {COLLAPSED}, last {args.tail}) | step samples per run |",
+             f"a 0.9 average (median first iteration) | episode length, last {args.tail} | runs with mostly "
+             f"invalid actions (> {MOSTLY_INVALID}, last {args.tail}) | step samples per run |",
              "|---|---|---|---|---|---|---|---|"]
     paired, diagnostics = [], []
     for task in args.tasks:
@@ -190,7 +191,7 @@ def main() -> None:
                          f"{fmt([s['mean'] for s in summaries])} | {len(reached)} of {len(summaries)}"
                          f"{f' ({statistics.median(reached):.0f})' if reached else ''} | "
                          f"{fmt([s['length'] for s in summaries])} | "
-                         f"{sum(s['invalid'] > COLLAPSED for s in summaries)} of {len(summaries)} | "
+                         f"{sum(s['invalid'] > MOSTLY_INVALID for s in summaries)} of {len(summaries)} | "
                          f"{statistics.mean(s['samples'] for s in summaries):.0f} |")
             print(f"{task} {arm}: {statistics.mean(s['seconds'] for s in summaries):.0f} s per run",
                   flush=True)
