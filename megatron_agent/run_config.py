@@ -225,9 +225,10 @@ def validate_warm_start(run: RunConfig, env_copy) -> None:
         raise ConfigError(f"tiny_model.warm_start.episodes={warm.episodes} with model_dir={run.model_dir!r}: the warm "
                           "start trains the tiny model made on the spot; set model_dir=null or "
                           "tiny_model.warm_start.episodes=0")
-    if not callable(getattr(env_copy, "expert_action", None)):
+    if not callable(getattr(env_copy, "expert_action", None)) or not getattr(env_copy, "actions", None):
         raise ConfigError(f"tiny_model.warm_start.episodes={warm.episodes}: env={run.env!r} has no expert_action() "
-                          "to imitate (env=maze has one); set tiny_model.warm_start.episodes=0")
+                          "to imitate and actions to draw the noise from (env=maze has both); set "
+                          "tiny_model.warm_start.episodes=0")
 
 
 def env_copies_memory_problem(run: RunConfig, available_bytes: int) -> str | None:
