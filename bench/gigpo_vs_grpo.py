@@ -76,10 +76,11 @@ def run_one(overrides: list[str], label: str) -> None:
 def summarize(run_dir: Path, tail: int) -> dict:
     from megatron_agent.plot import load_runs, phase_figures
 
-    rows = load_runs([run_dir])[0].rows
+    run = load_runs([run_dir])[0]
+    rows = run.rows
     success = [r["train/success_rate"] for r in rows]
     summary = {"final": statistics.mean(success[-tail:]), "mean": statistics.mean(success),
-               "reach": phase_figures(load_runs([run_dir])[0])["reached_iteration"],  # 3-iteration average >= 0.9
+               "reach": phase_figures(run)["reached_iteration"],  # 3-iteration average >= 0.9
                "length": statistics.mean(r["train/episode_length"] for r in rows[-tail:]),
                "invalid": statistics.mean(r["train/invalid_action_rate"] for r in rows[-tail:]),
                "samples": sum(r["train/num_samples"] for r in rows), "seconds": rows[-1]["time/elapsed"]}

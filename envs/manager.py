@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from envs.base import Observation, make_info
-from envs.registry import get_spec, make_config
+from envs.registry import env_instructions, get_spec, make_config
 from envs.workers import InlineWorker, ProcessWorker, RayWorker, WorkerDied, failed_info
 
 
@@ -79,9 +79,7 @@ class EnvManager:
         self.num_envs = num_groups * group_size
         self.group_ids = np.repeat(np.arange(num_groups), group_size)
         self.backend = backend
-        describe = getattr(spec.env_cls, "instructions_for", None)
-        # The task description and action format, for the agent loop's system prompt.
-        self.instructions: str = describe(self.config) if describe is not None else ""
+        self.instructions: str = env_instructions(name, self.config)
 
         if backend == "inline":
             num_workers = 1

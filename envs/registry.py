@@ -71,6 +71,13 @@ def make_config(name: str, config: Any = None, **overrides: Any) -> Any:
     return dataclasses.replace(config, **overrides) if overrides else config
 
 
+def env_instructions(name: str, config: Any) -> str:
+    """The env's task description and action format for the agent loop's system prompt
+    (its class's optional `instructions_for(config)`; "" without one)."""
+    describe = getattr(get_spec(name).env_cls, "instructions_for", None)
+    return describe(config) if describe is not None else ""
+
+
 def make_env(name: str, config: Any = None, **overrides: Any) -> Env:
     spec = get_spec(name)
     return spec.env_cls(make_config(name, config, **overrides))

@@ -400,12 +400,11 @@ def run_tokenizer(run: RunConfig):
 def _unknown_words(run: RunConfig, tokenizer, observations: list[str]) -> list[str]:
     """The pieces of text the tokenizer encodes as its unknown token, in the prompts
     rollout/prompts.py builds around these observations (with a full history), in order."""
-    from envs.registry import get_spec, make_config
+    from envs.registry import env_instructions, make_config
     from rollout.memory import StepRecord, memory_factory
     from rollout.prompts import build_messages
 
-    describe = getattr(get_spec(run.env).env_cls, "instructions_for", None)
-    instructions = describe(make_config(run.env, dict(run.env_config))) if describe is not None else ""
+    instructions = env_instructions(run.env, make_config(run.env, dict(run.env_config)))
     prompt = run.loop.prompt
     found: dict[str, None] = {}
     for observation in observations:

@@ -47,7 +47,8 @@ def prepare_run_dir(config) -> None:
         tiny = config.tiny_model  # a text or a vision-language family (write_tiny_model makes both)
         # With a warm start, the model is trained in a staging directory and renamed when done.
         staging = Path(f"{model_dir}.warm-start") if tiny.warm_start.episodes else Path(model_dir)
-        shutil.rmtree(staging, ignore_errors=True)
+        if tiny.warm_start.episodes:
+            shutil.rmtree(staging, ignore_errors=True)  # a warm start cut short
         write_tiny_model(tiny.family, staging, preset=tiny.preset, seed=config.seed, tokenizer=tiny.tokenizer,
                          num_hidden_layers=tiny.num_hidden_layers)
         if tiny.warm_start.episodes:

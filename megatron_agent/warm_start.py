@@ -13,6 +13,7 @@ the result succeeds about as often as the noisy expert does (docs/cpu_job.md).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,24 +49,24 @@ class WarmStartResult:
 def expert_pairs(run, tokenizer, episodes: int, noise: float, seed: int) -> tuple[list[tuple[list[int], list[int]]], float]:
     """(prompt ids, action ids + end of turn) for every step of `episodes` noisy expert
     episodes, and the share of them that were won."""
-    from envs.registry import get_spec, make_env
+    from envs.registry import env_instructions, make_env
     from rollout.memory import StepRecord, memory_factory
     from rollout.prompts import build_prompt
 
     env = make_env(run.env, dict(run.env_config))
-    describe = getattr(get_spec(run.env).env_cls, "instructions_for", None)
-    instructions = describe(env.config) if describe is not None else ""
+    instructions = env_instructions(run.env, env.config)
     prompt_config = run.loop.prompt
     make_memory = memory_factory(prompt_config.memory, prompt_config.history_length, 0)
     rng = np.random.default_rng([seed, 0x5741524D])  # apart from every other stream of the run
+    action_ids = functools.cache(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+                                 + [tokenizer.eos_token_id])  # a few distinct actions, thousands of steps
     pairs, wins = [], 0
     for _ in range(episodes):
         obs, memory, info = env.reset(int(rng.integers(1 << 30))), make_memory(), {}
         for step in range(run.loop.max_steps):
             prompt = build_prompt(tokenizer, instructions, obs.text, memory, step, prompt_config)
             action = env.actions[rng.integers(len(env.actions))] if rng.random() < noise else env.expert_action()
-            pairs.append((prompt.ids, tokenizer(action, add_special_tokens=False)["input_ids"]
-                          + [tokenizer.eos_token_id]))
+            pairs.append((prompt.ids, action_ids(action)))
             new_obs, reward, done, info = env.step(action)
             memory.store(StepRecord(step, obs.text, action, float(reward), bool(info.get("is_action_valid", True))))
             obs = new_obs
