@@ -5,7 +5,7 @@
     -> weight sync -> validate every N -> checkpoint every M -> log
 
 `train(config)` starts the trainer ranks where `config.placement` says (this process,
-local processes, or Ray actors: placement.py) and each rank runs `train_rank`. The ranks
+local processes, or Ray actors: launcher.py) and each rank runs `train_rank`. The ranks
 run the same loop: rank 0 (the leader) also drives the rollout engines and the
 environments, computes the advantages over the whole batch, writes the metrics, and sends
 each data-parallel rank its shard of the batch (training/batch.py); the update, the
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from megatron_agent.iteration_metrics import PhaseTimer, iteration_row
-from megatron_agent.placement import launch
+from megatron_agent.launcher import launch
 from megatron_agent.progress import ProgressReporter, progress_path
 from megatron_agent.rollout_ahead import RolloutAhead
 from megatron_agent.run_config import ConfigError, RunConfig, env_copies_memory_problem

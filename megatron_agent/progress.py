@@ -9,7 +9,7 @@ The state (`Progress`: the iteration the loop is in, its phase, the counts of th
 under way) is kept as it changes and handed on at most every `interval_s` by a thread of
 the reporter: to `on_progress` in this process, and to run_dir/progress.json, which the
 process that launched other ranks (or Ray actors) follows with metrics.jsonl
-(placement.follow_metrics), and anyone can read while the run goes.
+(launcher.follow_metrics), and anyone can read while the run goes.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class RolloutWorkers:
         self.handles: list = []
         try:
             if self.remote:
-                from megatron_agent.placement import ensure_ray
+                from megatron_agent.launcher import ensure_ray
 
                 r, p = config.rollout, config.placement
                 self.started_ray = ensure_ray(p, cpus=r.workers * r.cpus_per_worker + p.cpus_per_trainer)

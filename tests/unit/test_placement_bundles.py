@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_agent.launcher import EngineActor, TrainerRankActor
 from megatron_agent.placement import (
-    EngineActor,
-    TrainerRankActor,
     colocated_engine_bundles,
     colocated_engine_devices,
     engine_actor_resources,

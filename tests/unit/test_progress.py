@@ -8,7 +8,7 @@ import threading
 import time
 
 from megatron_agent.cli import TrainingBar, describe_progress
-from megatron_agent.placement import follow_metrics
+from megatron_agent.launcher import follow_metrics
 from megatron_agent.progress import DONE, STARTING, Progress, ProgressReporter, read_progress
 from rollout.progress import RolloutProgress
 
