@@ -74,7 +74,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
     from megatron_agent.rollout_workers import RolloutWorkers
     from megatron_agent.training.actor import Actor
     from megatron_agent.training.batch import gather_rows, scatter_rows
-    from megatron_agent.training.checks import batch_rollout_gap, served_vs_trained
+    from megatron_agent.training.checks import batch_mismatch_by_turn, batch_rollout_gap, served_vs_trained
     from megatron_agent.training.critic import Critic
     from megatron_agent.worker_batches import fetch_batch
     from rollout.agent_loop import run_validation
@@ -146,8 +146,10 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
 
             with phase("logprobs"):
                 quantized = config.weight_sync.quantize
-                # quantized rollouts: the whole batch's gap every iteration, from the old logprobs
-                if config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1 or quantized:
+                # quantized rollouts and rollout corrections: the engines' mismatch every iteration,
+                # from the old logprobs
+                if (config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1 or quantized
+                        or config.algorithm.corrects_rollout):
                     batch.old_logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
                 # served vs trained compares the same weights: not for a rollout done ahead
                 checked = (served_vs_trained(actor, batch, config.check, config.actor.params_dtype, iteration,
@@ -155,6 +157,8 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
                            if config.check.due(iteration, first_iteration) and not rollouts.taken_ahead else {})
                 if quantized:
                     checked.update(batch_rollout_gap(batch, prefix=f"{quantized}/"))
+                if batch.old_logprobs is not None:
+                    checked.update(batch_mismatch_by_turn(batch, config.algorithm))
                 if actor.reference is not None:  # built for an active KL loss only
                     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True,
                                                                 with_entropy=False)["logprobs"]

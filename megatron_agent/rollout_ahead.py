@@ -1,8 +1,8 @@
 """Rollout ahead (`overlap_rollout: true`): iteration k+1's rollout runs in a thread on the
 leader while iteration k trains, on the weights the engines hold (those of iteration k);
 the weight sync waits for both, so generation is never paused under a running rollout.
-Every sample is then one update old (`train/policy_staleness` 1), which truncated
-importance sampling (`algorithm.tis_cap`) corrects by the logprobs the engines reported.
+Every sample is then one update old (`train/policy_staleness` 1), which the rollout
+correction (`algorithm.tis_cap`, `algorithm.rollout_mask`) corrects by the engines' logprobs.
 
     rollouts = RolloutAhead(fleet, collect, leader=..., overlap=...)
     collected = rollouts.take(k)    # every rank: ready since iteration k-1, or rolled out now

@@ -73,7 +73,8 @@ class RunConfig:
     # A run directory to continue from its last complete checkpoint (the same settings).
     resume: str | None = None
     # Roll out iteration k+1 (on the weights of iteration k) while iteration k trains; the
-    # samples are then one update old, corrected by algorithm.tis_cap (required).
+    # samples are then one update old, corrected by the engines' logprobs (algorithm.tis_cap
+    # and/or algorithm.rollout_mask, required).
     overlap_rollout: bool = False
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -122,10 +123,10 @@ def load_run_config(overrides: list[str] | None = None, *, config_dir: Path = CO
 def resolve_defaults(run: RunConfig) -> None:
     """Defaults that depend on other sections, written into the config (so run_dir/config.json
     shows them): FP8 rollouts turn truncated importance sampling on (algorithm.tis_cap
-    FP8_DEFAULT_TIS_CAP) unless it is set."""
+    FP8_DEFAULT_TIS_CAP) unless a rollout correction is set."""
     from megatron_agent.weight_sync.fp8 import FP8_DEFAULT_TIS_CAP
 
-    if run.weight_sync.quantize == "fp8" and run.algorithm.tis_cap is None:
+    if run.weight_sync.quantize == "fp8" and not run.algorithm.corrects_rollout:
         run.algorithm.tis_cap = FP8_DEFAULT_TIS_CAP
 
 
@@ -185,9 +186,10 @@ def validate_run_config(run: RunConfig) -> None:
         raise ConfigError(f"env_workers={run.env_workers} must be >= 1 (or null: one per CPU)")
     if run.loop.mode not in LOOP_MODES:
         raise ConfigError(f"loop.mode={run.loop.mode!r}; choose one of {LOOP_MODES}")
-    if run.overlap_rollout and run.algorithm.tis_cap is None:
+    if run.overlap_rollout and not run.algorithm.corrects_rollout:
         raise ConfigError("overlap_rollout=true trains on samples generated one update earlier: set "
-                          "algorithm.tis_cap (e.g. 2.0) to correct them by the engines' logprobs")
+                          "algorithm.tis_cap (e.g. 2.0) and/or algorithm.rollout_mask to correct them by the "
+                          "engines' logprobs")
     if run.overlap_rollout and run.placement.colocate:
         raise ConfigError("overlap_rollout=true with placement.colocate=true: colocated engines give their "
                           "memory to the actor while it trains, so no rollout can run then")

@@ -21,7 +21,7 @@ import numpy as np
 def compact_shard(samples: Sequence, advantages: np.ndarray | None = None) -> dict:
     """Step samples (rollout.samples.StepSample) as a worker sends them: int32 token ids and
     float32 response logprobs, unpadded and flat, each sample's prompt and response lengths,
-    its images (None for a text prompt) and, when given, its advantage."""
+    its images (None for a text prompt), its step in its episode and, when given, its advantage."""
     prompt_lengths = np.array([len(s.prompt_ids) for s in samples], dtype=np.int32)
     response_lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int32)
     out = {
@@ -32,6 +32,7 @@ def compact_shard(samples: Sequence, advantages: np.ndarray | None = None) -> di
         "logprobs": np.fromiter((x for s in samples for x in s.rollout_logprobs), dtype=np.float32,
                                 count=int(response_lengths.sum())),
         "images": [None if s.pixel_values is None else (s.pixel_values, s.image_grid_thw) for s in samples],
+        "step_index": np.array([s.step_index for s in samples], dtype=np.int32),
     }
     if advantages is not None:
         out["advantages"] = np.asarray(advantages, dtype=np.float32)
@@ -60,7 +61,7 @@ def batch_from_shards(shards: list[dict], order: np.ndarray, positions: np.ndarr
 
     from megatron_agent.training.batch import TrainBatch
 
-    prompts, responses, logprobs, images, advantages = [], [], [], [], []
+    prompts, responses, logprobs, images, steps, advantages = [], [], [], [], [], []
     for shard in shards:
         ends = np.cumsum(np.stack([shard["prompt_lengths"], shard["response_lengths"]], 1).reshape(-1))
         pieces = np.split(shard["tokens"], ends[:-1]) if len(ends) else []
@@ -68,12 +69,14 @@ def batch_from_shards(shards: list[dict], order: np.ndarray, positions: np.ndarr
         responses += pieces[1::2]
         logprobs += np.split(shard["logprobs"], np.cumsum(shard["response_lengths"])[:-1]) if len(ends) else []
         images += shard["images"]
+        steps.append(shard["step_index"])
         if "advantages" in shard:
             advantages.append(shard["advantages"])
     pick = [int(i) for i in order]
     batch = TrainBatch.from_sequences([prompts[i] for i in pick], [responses[i] for i in pick], pad_id=pad_id,
                                       rollout_logprobs=[logprobs[i] for i in pick], temperature=temperature,
                                       images=[images[i] for i in pick])
+    batch.step_index = torch.as_tensor(np.concatenate(steps)[pick], dtype=torch.long)
     if advantages:
         batch.advantages = torch.as_tensor(np.concatenate(advantages)[pick], dtype=torch.float32)
     return batch.with_place(torch.as_tensor(positions, dtype=torch.long), whole_size)

@@ -35,6 +35,7 @@ from megatron_agent.algorithms.losses import (
     kl_loss,
     kl_penalty,
     ppo_clip_loss,
+    rollout_correction_weights,
     value_loss,
 )
 
@@ -71,6 +72,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "rollout_correction_weights",
     "step_discounted_returns",
     "value_loss",
 ]

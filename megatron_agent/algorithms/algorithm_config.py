@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 from megatron_agent.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from megatron_agent.algorithms.gigpo import EPISODE_STATS, NORM_MODES
-from megatron_agent.algorithms.losses import AGG_MODES, KL_ALIASES, POLICY_LOSSES
+from megatron_agent.algorithms.losses import (
+    AGG_MODES,
+    KL_ALIASES,
+    POLICY_LOSSES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_MASKS,
+)
 
 
 @dataclass
@@ -37,7 +43,12 @@ class AlgorithmConfig:
     dual_clip_c: float | None = 3.0
     loss_agg_mode: str = "token-mean"
     loss_norm_length: int | None = None  # seq-mean-token-sum-norm constant; None: padded length
+    # rollout correction, by r = pi_trainer_old / pi_engine (losses.rollout_correction_weights)
     tis_cap: float | None = None  # truncated importance sampling, e.g. 2.0
+    tis_level: str = "token"  # token: min(r_t, cap) | sequence: min(prod_t r_t, cap) on every token
+    rollout_mask: str = "none"  # none | token | sequence (geometric mean of r): drop what leaves [low, high]
+    rollout_mask_low: float = 0.5
+    rollout_mask_high: float = 2.0  # IcePop: rollout_mask=token with tis_cap >= rollout_mask_high
     entropy_coef: float = 0.001
     # KL to the reference policy, a loss term (see kl_loss_active)
     use_kl_loss: bool = True
@@ -48,6 +59,11 @@ class AlgorithmConfig:
     # DAPO dynamic sampling
     dynamic_sampling: bool = False
     dynamic_sampling_max_tries: int = 10
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the loss weights tokens by the engines' logprobs (``tis_cap`` or ``rollout_mask``)."""
+        return self.tis_cap is not None or self.rollout_mask != "none"
 
     @property
     def kl_loss_active(self) -> bool:
@@ -78,6 +94,13 @@ class AlgorithmConfig:
             _positive("loss_norm_length", self.loss_norm_length)
         if self.tis_cap is not None:
             _positive("tis_cap", self.tis_cap)
+        _one_of("tis_level", self.tis_level, ROLLOUT_IS_LEVELS)
+        _one_of("rollout_mask", self.rollout_mask, ROLLOUT_MASKS)
+        _positive("rollout_mask_low", self.rollout_mask_low)
+        _positive("rollout_mask_high", self.rollout_mask_high)
+        if self.rollout_mask_low >= self.rollout_mask_high:
+            raise ValueError(f"rollout_mask_low ({self.rollout_mask_low}) must be below rollout_mask_high "
+                             f"({self.rollout_mask_high})")
         _in_range("entropy_coef", self.entropy_coef, 0.0, math.inf)
         _in_range("kl_loss_coef", self.kl_loss_coef, 0.0, math.inf)
         if self.value_clip is not None:

@@ -8,6 +8,7 @@ device sync; call ``.item()`` when logging). docs/algorithms.md has the formulas
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -67,17 +68,60 @@ def aggregate_loss(
     return per_seq.sum() / torch.as_tensor(denominator, dtype=loss_mat.dtype).clamp(min=1.0)
 
 
-def truncated_is_weights(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """Truncated importance weights ``min(pi_old_trainer / pi_rollout, cap)``, detached.
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_MASKS = ("none", "token", "sequence")
 
-    The rollout engine and the trainer compute slightly different probabilities for the same
-    tokens; weighting the surrogate by this ratio corrects the off-policy gap, the cap bounds
-    its variance.
+
+def rollout_correction_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tis_cap: float | None = None,
+    tis_level: str = "token",
+    mask: str = "none",
+    mask_low: float = 0.5,
+    mask_high: float = 2.0,
+) -> tuple[torch.Tensor, Metrics]:
+    """Per-token weights, detached, that correct the loss for the rollout engine's policy.
+
+    The engine and the trainer compute slightly different probabilities for the same tokens
+    (kernels, FP8 weights, MoE routing, a rollout one update old); ``r = pi_trainer_old /
+    pi_engine`` per token. Truncated importance sampling (``tis_cap``) weights each token by
+    ``min(r, cap)`` (token level) or every token of a sequence by ``min(prod_t r_t, cap)``
+    (sequence level). Masking drops what the engine sampled too differently: tokens whose r
+    (``mask="token"``) or sequences whose geometric mean ``exp(mean_t log r_t)``
+    (``"sequence"``) lies outside ``[mask_low, mask_high]`` get weight 0. Both together at the
+    token level with ``tis_cap >= mask_high`` are IcePop's ``r * 1[low <= r <= high]``. A
+    dropped token keeps its place in the loss's denominator (weight 0, as in IcePop).
     """
-    log_ratio = (old_logprobs - rollout_logprobs).detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    return torch.exp(log_ratio).clamp(max=cap)
+    log_r = (old_logprobs - rollout_logprobs).detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    on = response_mask.to(log_r.dtype)
+    log_r = log_r * on
+    tokens = on.sum(-1, keepdim=True)
+    weights = torch.ones_like(log_r)
+    metrics: Metrics = {}
+    if tis_cap is not None:
+        if tis_level == "token":
+            log_w = log_r
+        elif tis_level == "sequence":
+            log_w = log_r.sum(-1, keepdim=True).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).expand_as(log_r)
+        else:
+            raise ValueError(f"tis_level must be one of {ROLLOUT_IS_LEVELS}, got {tis_level!r}")
+        weights = torch.exp(log_w).clamp(max=tis_cap)
+        metrics["rollout_correction/clipfrac"] = masked_mean((log_w >= math.log(tis_cap)).to(log_r.dtype), on)
+    if mask == "token":
+        ratio = torch.exp(log_r)
+    elif mask == "sequence":
+        ratio = torch.exp(log_r.sum(-1, keepdim=True) / tokens.clamp(min=1.0)).expand_as(log_r)
+    elif mask != "none":
+        raise ValueError(f"rollout_mask must be one of {ROLLOUT_MASKS}, got {mask!r}")
+    if mask != "none":
+        kept = ((ratio >= mask_low) & (ratio <= mask_high)).to(log_r.dtype)
+        weights = weights * kept
+        metrics["rollout_correction/masked_fraction"] = masked_mean(1.0 - kept, on)
+    metrics["rollout_correction/weight_mean"] = masked_mean(weights, on)
+    return weights, metrics
 
 
 def ppo_clip_loss(
@@ -92,21 +136,20 @@ def ppo_clip_loss(
     agg_mode: str = "token-mean",
     norm_length: float | None = None,
     global_denominator: float | torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO clipped surrogate, token-level ratio ``exp(logp - logp_old)``.
 
     ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; clip_high > clip_low is DAPO's
     clip-higher. With ``dual_clip_c`` (> 1) the loss of a negative-advantage token is also
-    capped at ``-A c``. ``rollout_logprobs`` + ``tis_cap`` weight each token by the truncated
-    importance ratio between trainer and rollout engine.
+    capped at ``-A c``. ``token_weights`` (detached) multiply each token's loss: the rollout
+    correction (``rollout_correction_weights``).
     """
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     loss, metrics = _clipped_surrogate(
         ratio, _per_token(advantages, logprobs), response_mask, clip_low, clip_high, dual_clip_c,
-        agg_mode, norm_length, global_denominator, old_logprobs, rollout_logprobs, tis_cap,
+        agg_mode, norm_length, global_denominator, token_weights,
     )  # fmt: skip
     metrics["ppo_kl"] = masked_mean(-log_ratio, response_mask).detach()
     metrics["approx_kl"] = masked_mean(ratio - 1.0 - log_ratio, response_mask).detach()
@@ -125,8 +168,7 @@ def gspo_loss(
     agg_mode: str = "seq-mean-token-mean",
     norm_length: float | None = None,
     global_denominator: float | torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """GSPO: one ratio per sequence, ``s = exp(mean_t(logp - logp_old))``, clipped like PPO.
 
@@ -144,7 +186,7 @@ def gspo_loss(
     ratio = torch.exp(log_ratio)
     loss, metrics = _clipped_surrogate(
         ratio, _per_token(advantages, logprobs), response_mask, clip_low, clip_high, dual_clip_c,
-        agg_mode, norm_length, global_denominator, old_logprobs, rollout_logprobs, tis_cap,
+        agg_mode, norm_length, global_denominator, token_weights,
     )  # fmt: skip
     present = mask.sum(-1) > 0
     metrics["ppo_kl"] = masked_mean(-token_log_ratio, response_mask).detach()
@@ -283,6 +325,14 @@ def actor_loss(
         "norm_length": config.loss_norm_length,
         "global_denominator": global_denominator,
     }
+    weights, correction = None, {}
+    if config.corrects_rollout:
+        if rollout_logprobs is None:
+            raise ValueError("the rollout correction (tis_cap or rollout_mask) needs rollout_logprobs")
+        weights, correction = rollout_correction_weights(
+            old_logprobs, rollout_logprobs, response_mask, tis_cap=config.tis_cap, tis_level=config.tis_level,
+            mask=config.rollout_mask, mask_low=config.rollout_mask_low, mask_high=config.rollout_mask_high,
+        )  # fmt: skip
     loss, metrics = policy_loss(
         logprobs,
         old_logprobs,
@@ -291,10 +341,10 @@ def actor_loss(
         clip_low=config.clip_ratio_low,
         clip_high=config.clip_ratio_high,
         dual_clip_c=config.dual_clip_c,
-        rollout_logprobs=rollout_logprobs,
-        tis_cap=config.tis_cap,
+        token_weights=weights,
         **agg,
     )
+    metrics.update(correction)
     if config.kl_loss_active:
         if ref_logprobs is None:
             raise ValueError("the KL loss (use_kl_loss with kl_loss_coef > 0) needs ref_logprobs")
@@ -325,9 +375,7 @@ def _clipped_surrogate(
     agg_mode: str,
     norm_length: float | None,
     global_denominator: float | torch.Tensor | None,
-    old_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor | None,
-    tis_cap: float | None,
+    token_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, Metrics]:
     advantages = advantages.expand_as(ratio)
     unclipped = -advantages * ratio
@@ -337,11 +385,8 @@ def _clipped_surrogate(
     if dual_clip_c is not None:
         per_token = torch.where(negative, torch.minimum(per_token, -advantages * dual_clip_c), per_token)
     metrics: Metrics = {}
-    if rollout_logprobs is not None and tis_cap is not None:
-        weights = truncated_is_weights(old_logprobs, rollout_logprobs, tis_cap)
-        per_token = per_token * weights
-        metrics["tis_weight_mean"] = masked_mean(weights, mask).detach()
-        metrics["tis_clipfrac"] = masked_mean((weights >= tis_cap).to(ratio.dtype), mask).detach()
+    if token_weights is not None:
+        per_token = per_token * token_weights
     loss = aggregate_loss(
         per_token, mask, agg_mode, norm_length=norm_length, global_denominator=global_denominator
     )

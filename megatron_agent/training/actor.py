@@ -306,10 +306,10 @@ class Actor:
         loss, metrics = actor_loss(
             self.algorithm, logprobs, old, mb["advantages"], mb["response_mask"],
             ref_logprobs=mb.get("ref_logprobs"), entropy=entropy,
-            rollout_logprobs=mb.get("rollout_logprobs") if self.algorithm.tis_cap else None,
+            rollout_logprobs=mb.get("rollout_logprobs") if self.algorithm.corrects_rollout else None,
             global_denominator=denominator,
         )
-        return loss, {f"actor/{k}": float(v) for k, v in metrics.items()}
+        return loss, {k if "/" in k else f"actor/{k}": float(v) for k, v in metrics.items()}
 
     def _train_step(self, batch: TrainBatch, mini: set[int]) -> dict[str, float]:
         """One optimizer step on the mini-batch `mini` (positions in the whole batch);

@@ -44,6 +44,7 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [N, L-1], the frozen reference policy
     rollout_logprobs: torch.Tensor | None = None  # [N, L-1], what the rollout engine reported
     lengths: torch.Tensor | None = None  # [N] real length of each sequence (tokens after it are padding)
+    step_index: torch.Tensor | None = None  # [N] int64, each sample's step in its episode (0-based)
     temperature: float = 1.0  # logits are divided by it, as the rollout engine did
     # A data-parallel shard: its rows' positions in the whole batch, and that batch's size
     # (None: this is the whole batch).

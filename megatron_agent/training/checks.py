@@ -71,16 +71,60 @@ def rollout_logprob_gap(actor_logprobs: torch.Tensor, rollout_logprobs: torch.Te
     sums = torch.tensor([float(diff.sum()), float(diff.numel())], dtype=torch.float64)
     worst = torch.tensor([float(diff.max()) if diff.numel() else 0.0], dtype=torch.float64)
     if over_data_parallel:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from megatron_agent.platform.collectives import all_reduce
-
-        if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
-            all_reduce(sums, ps.get_data_parallel_group())
-            all_reduce(worst, ps.get_data_parallel_group(), op=dist.ReduceOp.MAX)
+        sums, worst = _over_data_parallel(sums, "sum"), _over_data_parallel(worst, "max")
     return {"check/rollout_logprob_max_abs_diff": float(worst),
             "check/rollout_logprob_mean_abs_diff": float(sums[0] / sums[1]) if sums[1] else 0.0}
+
+
+def mismatch_by_turn(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                     step_index: torch.Tensor, dropped: torch.Tensor | None = None, *,
+                     over_data_parallel: bool = False) -> dict[str, float]:
+    """Engine against trainer per step of the episode (collective with `over_data_parallel`).
+
+    For the response tokens of the samples at step k, with r = exp(old - rollout):
+    `mismatch/turn_k/kl_k3`, the mean of r - 1 - log r (KL(engine || trainer) estimated on the
+    engine's samples); `mismatch/turn_k/max_abs_diff`, the largest |old - rollout|; and, given
+    `dropped` (the tokens a rollout mask drops), `mismatch/turn_k/masked_fraction`. Then
+    `mismatch/kl_k3` over all steps. Steps no sample reached are left out.
+    """
+    on = response_mask.bool()
+    log_r = (old_logprobs.double() - rollout_logprobs.double()).masked_fill(~on, 0.0)
+    k3 = torch.expm1(log_r) - log_r
+    turns = int(step_index.max()) + 1 if step_index.numel() else 0
+    if over_data_parallel:
+        turns = int(_over_data_parallel(torch.tensor([turns], dtype=torch.float64), "max")[0])
+    steps = step_index.long()
+    sums = torch.zeros(turns, 3, dtype=torch.float64)  # k3, tokens, dropped tokens
+    sums[:, 0].index_add_(0, steps, k3.sum(-1))
+    sums[:, 1].index_add_(0, steps, on.sum(-1).double())
+    if dropped is not None:
+        sums[:, 2].index_add_(0, steps, (dropped.bool() & on).sum(-1).double())
+    worst = torch.zeros(turns, dtype=torch.float64).index_reduce_(0, steps, log_r.abs().amax(-1), "amax")
+    if over_data_parallel:
+        sums, worst = _over_data_parallel(sums, "sum"), _over_data_parallel(worst, "max")
+    out = {}
+    for k in range(turns):
+        if sums[k, 1] == 0:
+            continue
+        out[f"mismatch/turn_{k}/kl_k3"] = float(sums[k, 0] / sums[k, 1])
+        out[f"mismatch/turn_{k}/max_abs_diff"] = float(worst[k])
+        if dropped is not None:
+            out[f"mismatch/turn_{k}/masked_fraction"] = float(sums[k, 2] / sums[k, 1])
+    if sums[:, 1].sum() > 0:
+        out["mismatch/kl_k3"] = float(sums[:, 0].sum() / sums[:, 1].sum())
+    return out
+
+
+def _over_data_parallel(values: torch.Tensor, op: str) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_agent.platform.collectives import all_reduce
+
+    if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
+        all_reduce(values, ps.get_data_parallel_group(),
+                   op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return values
 
 
 def check_rollout_logprobs(gap: dict[str, float], max_abs_diff: float | None = None, *,
@@ -126,3 +170,18 @@ def batch_rollout_gap(batch, prefix: str) -> dict[str, float]:
     gap = rollout_logprob_gap(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
                               over_data_parallel=batch.is_shard)
     return {prefix + key.removeprefix("check/"): value for key, value in gap.items()}
+
+
+def batch_mismatch_by_turn(batch, algorithm) -> dict[str, float]:
+    """`mismatch_by_turn` of `batch.old_logprobs` against the engines' over the whole batch
+    (collective), with the tokens `algorithm.rollout_mask` drops."""
+    from megatron_agent.algorithms.losses import rollout_correction_weights
+
+    dropped = None
+    if algorithm.rollout_mask != "none":
+        kept, _ = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                                             mask=algorithm.rollout_mask, mask_low=algorithm.rollout_mask_low,
+                                             mask_high=algorithm.rollout_mask_high)
+        dropped = kept == 0
+    return mismatch_by_turn(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, batch.step_index,
+                            dropped, over_data_parallel=batch.is_shard)

@@ -31,7 +31,7 @@ from rollout.fp8_blocks import (
 
 QUANTIZE_MODES = ("fp8",)  # weight_sync.quantize; None: the training dtype
 # With FP8 rollouts the engine's policy differs from the trainer's: truncated importance
-# sampling corrects for it unless algorithm.tis_cap is set (run_config resolves it).
+# sampling corrects for it when no other rollout correction is set (run_config resolves it).
 FP8_DEFAULT_TIS_CAP = 2.0
 
 _QUANTIZED_LINEAR = re.compile(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from megatron_agent.training.checks import (
     LogprobMismatchError,
     check_rollout_logprobs,
     check_sample_indices,
+    mismatch_by_turn,
     rollout_logprob_gap,
 )
 
@@ -52,3 +55,30 @@ def test_check_schedule_bound_and_sample_spread():
     assert check_sample_indices(10, 1) == [0]
     with pytest.raises(ValueError, match="max_samples=0"):
         LogprobCheckConfig(max_samples=0).validate()
+
+
+def _k3(log_r: float) -> float:
+    return math.exp(log_r) - 1 - log_r
+
+
+def test_mismatch_by_turn_by_hand():
+    # Three samples; log r = old - rollout per response token; the last column of sample 1 is padding.
+    #   sample 0, step 0: log r = 0.2, -0.1
+    #   sample 1, step 2: log r = 0.5, (9.0 padding)
+    #   sample 2, step 0: log r = -0.3, 0.0
+    # Step 1: no sample, left out.
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -1.0], [-2.0, -1.0]])
+    log_r = torch.tensor([[0.2, -0.1], [0.5, 9.0], [-0.3, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    dropped = torch.tensor([[False, False], [True, True], [True, False]])  # the padded one does not count
+    got = mismatch_by_turn(old, old - log_r, mask, torch.tensor([0, 2, 0]), dropped)
+    step0 = [0.2, -0.1, -0.3, 0.0]
+    assert got["mismatch/turn_0/kl_k3"] == pytest.approx(sum(map(_k3, step0)) / 4, rel=1e-5)
+    assert got["mismatch/turn_0/max_abs_diff"] == pytest.approx(0.3, rel=1e-5)
+    assert got["mismatch/turn_0/masked_fraction"] == pytest.approx(1 / 4)
+    assert got["mismatch/turn_2/kl_k3"] == pytest.approx(_k3(0.5), rel=1e-5)
+    assert got["mismatch/turn_2/max_abs_diff"] == pytest.approx(0.5, rel=1e-5)
+    assert got["mismatch/turn_2/masked_fraction"] == 1.0
+    assert got["mismatch/kl_k3"] == pytest.approx(sum(map(_k3, step0 + [0.5])) / 5, rel=1e-5)
+    assert not any(key.startswith("mismatch/turn_1/") for key in got)
+    assert "mismatch/turn_0/masked_fraction" not in mismatch_by_turn(old, old - log_r, mask, torch.tensor([0, 2, 0]))

@@ -263,6 +263,8 @@ def test_config_resolves_tis_and_checks_sglang_shapes():
     assert load_run_config(["weight_sync.quantize=fp8"]).algorithm.tis_cap == 2.0
     assert load_run_config(["weight_sync.quantize=fp8", "algorithm.tis_cap=3.0"]).algorithm.tis_cap == 3.0
     assert load_run_config([]).algorithm.tis_cap is None
+    masked = load_run_config(["weight_sync.quantize=fp8", "algorithm.rollout_mask=token"]).algorithm
+    assert masked.tis_cap is None and masked.rollout_mask == "token"  # a correction chosen: none added
     with pytest.raises(ConfigError, match="weight_sync.quantize='int4'"):
         load_run_config(["weight_sync.quantize=int4"])
     with pytest.raises(ConfigError, match="q_proj output per engine TP rank = 64, not a multiple of 128"):

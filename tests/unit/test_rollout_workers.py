@@ -194,10 +194,10 @@ def test_a_ranks_batch_from_shards_is_the_batch_of_its_samples():
     shards = [
         {"prompt_lengths": np.array([2, 1], np.int32), "response_lengths": np.array([1, 2], np.int32),
          "tokens": np.array([1, 2, 3, 4, 5, 6], np.int32), "logprobs": np.array([-.1, -.2, -.3], np.float32),
-         "images": [None, None], "advantages": np.array([1.0, 2.0], np.float32)},
+         "images": [None, None], "step_index": np.array([0, 3], np.int32), "advantages": np.array([1.0, 2.0], np.float32)},
         {"prompt_lengths": np.array([3], np.int32), "response_lengths": np.array([1], np.int32),
          "tokens": np.array([7, 8, 9, 10], np.int32), "logprobs": np.array([-.4], np.float32),
-         "images": [None], "advantages": np.array([3.0], np.float32)},
+         "images": [None], "step_index": np.array([1], np.int32), "advantages": np.array([3.0], np.float32)},
     ]
     sources = np.array([[1, 0], [0, 0], [0, 1]])  # whole positions 4, 5, 9 of a batch of 12
     batch = batch_from_shards(shards, shard_order(sources), np.array([4, 5, 9]), 12, pad_id=0, temperature=0.5)
@@ -206,4 +206,5 @@ def test_a_ranks_batch_from_shards_is_the_batch_of_its_samples():
     for name in ("tokens", "response_mask", "rollout_logprobs", "lengths"):
         assert torch.allclose(getattr(batch, name).float(), getattr(reference, name).float()), name
     assert batch.advantages.tolist() == [3.0, 1.0, 2.0]
+    assert batch.step_index.tolist() == [1, 0, 3]
     assert batch.sample_index.tolist() == [4, 5, 9] and batch.whole_size == 12
