@@ -34,6 +34,11 @@ def compact_shard(samples: Sequence, advantages: np.ndarray | None = None) -> di
         "images": [None if s.pixel_values is None else (s.pixel_values, s.image_grid_thw) for s in samples],
         "step_index": np.array([s.step_index for s in samples], dtype=np.int32),
     }
+    routed = [s.routed_experts is not None for s in samples]
+    if any(routed):
+        if not all(routed):
+            raise ValueError(f"{routed.count(False)} of {len(samples)} step samples carry no routed experts")
+        out["routed_experts"] = np.concatenate([s.routed_experts for s in samples])
     if advantages is not None:
         out["advantages"] = np.asarray(advantages, dtype=np.float32)
     return out
@@ -61,7 +66,7 @@ def batch_from_shards(shards: list[dict], order: np.ndarray, positions: np.ndarr
 
     from megatron_agent.training.batch import TrainBatch
 
-    prompts, responses, logprobs, images, steps, advantages = [], [], [], [], [], []
+    prompts, responses, logprobs, images, steps, advantages, routes = [], [], [], [], [], [], []
     for shard in shards:
         ends = np.cumsum(np.stack([shard["prompt_lengths"], shard["response_lengths"]], 1).reshape(-1))
         pieces = np.split(shard["tokens"], ends[:-1]) if len(ends) else []
@@ -70,12 +75,16 @@ def batch_from_shards(shards: list[dict], order: np.ndarray, positions: np.ndarr
         logprobs += np.split(shard["logprobs"], np.cumsum(shard["response_lengths"])[:-1]) if len(ends) else []
         images += shard["images"]
         steps.append(shard["step_index"])
+        if "routed_experts" in shard:  # rows: each sample's prompt + response - 1
+            fed = shard["prompt_lengths"].astype(np.int64) + shard["response_lengths"] - 1
+            routes += np.split(shard["routed_experts"], np.cumsum(fed)[:-1]) if len(fed) else []
         if "advantages" in shard:
             advantages.append(shard["advantages"])
     pick = [int(i) for i in order]
     batch = TrainBatch.from_sequences([prompts[i] for i in pick], [responses[i] for i in pick], pad_id=pad_id,
                                       rollout_logprobs=[logprobs[i] for i in pick], temperature=temperature,
-                                      images=[images[i] for i in pick])
+                                      images=[images[i] for i in pick],
+                                      routed_experts=[routes[i] for i in pick] if routes else None)
     batch.step_index = torch.as_tensor(np.concatenate(steps)[pick], dtype=torch.long)
     if advantages:
         batch.advantages = torch.as_tensor(np.concatenate(advantages)[pick], dtype=torch.float32)

@@ -40,3 +40,6 @@ class StepSample:
     # `prompt_ids` are then the expanded ids (each image pad repeated its token count).
     pixel_values: Any = None
     image_grid_thw: Any = None
+    # MoE routing replay: the engine's expert ids of every token it fed, the prompt's and
+    # the response's but its last: [prompt + response - 1, layers, k] uint8 or int16 numpy.
+    routed_experts: Any = None

@@ -20,6 +20,8 @@ from megatron_agent.algorithms.losses import (
     ROLLOUT_MASKS,
 )
 
+ROUTING_REPLAY_MODES = ("none", "rollout")  # training/routing_replay.py
+
 
 @dataclass
 class AlgorithmConfig:
@@ -49,6 +51,8 @@ class AlgorithmConfig:
     rollout_mask: str = "none"  # none | token | sequence (geometric mean of r): drop what leaves [low, high]
     rollout_mask_low: float = 0.5
     rollout_mask_high: float = 2.0  # IcePop: rollout_mask=token with tis_cap >= rollout_mask_high
+    # MoE: none | rollout (R3: every forward routes by the engines' expert ids)
+    routing_replay: str = "none"
     entropy_coef: float = 0.001
     # KL to the reference policy, a loss term (see kl_loss_active)
     use_kl_loss: bool = True
@@ -96,6 +100,7 @@ class AlgorithmConfig:
             _positive("tis_cap", self.tis_cap)
         _one_of("tis_level", self.tis_level, ROLLOUT_IS_LEVELS)
         _one_of("rollout_mask", self.rollout_mask, ROLLOUT_MASKS)
+        _one_of("routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
         _positive("rollout_mask_low", self.rollout_mask_low)
         _positive("rollout_mask_high", self.rollout_mask_high)
         if self.rollout_mask_low >= self.rollout_mask_high:

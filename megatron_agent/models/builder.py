@@ -64,6 +64,7 @@ def build_model(
     training: bool = True,
     init_weights: bool = True,
     meta: bool = False,
+    routing_replay: bool = False,
 ) -> list:
     """One GPTModel chunk per virtual pipeline stage of this rank (one without VPP).
 
@@ -73,6 +74,7 @@ def build_model(
     `init_weights=False` skips the random initialisation when weights are loaded next.
     `meta=True` puts the parameters on the meta device: shapes, names and the sharded
     state dict without memory (what a checkpoint converter lays files out from).
+    `routing_replay`: MoE routers that route by given expert ids (training/routing_replay.py).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -91,6 +93,7 @@ def build_model(
         hf, parallel, params_dtype=params_dtype, fp8_recipe=fp8_recipe,
         moe_grouped_gemm=spec_name == "transformer_engine", training=training,
         init_weights=init_weights and not meta, use_cpu_initialization=True if meta else None,
+        routing_replay=routing_replay,
     )
     spec = layer_spec_for(hf, spec_name)
     log.info(

@@ -209,9 +209,11 @@ def transformer_config_from_hf(
     training: bool = True,
     init_weights: bool = True,
     fused_swiglu: bool | None = None,
+    routing_replay: bool = False,
 ):
     """The Megatron TransformerConfig that computes what the HF model computes.
-    `fused_swiglu`: None takes `swiglu_fusion_default()`."""
+    `fused_swiglu`: None takes `swiglu_fusion_default()`. `routing_replay`: the MoE routers
+    can route by given expert ids (training/routing_replay.py)."""
     from megatron.core.transformer import TransformerConfig
 
     family = family_of(hf)
@@ -301,7 +303,13 @@ def transformer_config_from_hf(
             moe_router_dtype="fp32",
             moe_grouped_gemm=moe_grouped_gemm,
             moe_permute_fusion=False,
+            # Replay takes the router's unfused top-k (the fused TE kernel never consults it)
+            # and no capacity factor (it would drop replayed tokens; the engines drop none):
+            # both are this config's defaults.
+            moe_enable_routing_replay=routing_replay,
         )
+    elif routing_replay:
+        raise ValueError(f"routing replay needs an MoE model; {hf['model_type']} has no router")
     return TransformerConfig(**kwargs)
 
 

@@ -88,6 +88,10 @@ class ActorConfig:
 
 
 class Actor:
+    # algorithm.routing_replay=rollout routes this model's forwards (and its reference's) by
+    # the engines' expert ids, the batch's routed_experts (training/routing_replay.py)
+    REPLAYS_ROUTING = True
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -107,8 +111,9 @@ class Actor:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         dtype = DTYPES[config.params_dtype]
+        self.replays_routing = self.REPLAYS_ROUTING and algorithm.routing_replay == "rollout"
         build = dict(params_dtype=dtype, layer_spec=config.layer_spec, fp8_recipe=config.fp8_recipe,
-                     init_weights=False)
+                     init_weights=False, routing_replay=self.replays_routing)
 
         chunks = self._build_chunks(build)
         self.chunks = chunks  # unwrapped, for checkpoints and export
@@ -177,6 +182,11 @@ class Actor:
             }
             if batch.has_images or "vision_config" in self.hf:
                 mb.update(micro_batch_images(batch, idx, mb["input_ids"], self.hf))
+            if self.replays_routing:
+                if batch.routed_experts is None:
+                    raise ValueError("algorithm.routing_replay=rollout: the batch carries no routed_experts "
+                                     "(the engines' expert ids)")
+                mb["routed_experts"] = batch.routed_experts[idx, : width - 1]
             for name, value in per_token.items():
                 if value is not None:
                     mb[name] = value[idx] if value.dim() == 1 else value[idx, : width - 1]

@@ -45,6 +45,9 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor | None = None  # [N, L-1], what the rollout engine reported
     lengths: torch.Tensor | None = None  # [N] real length of each sequence (tokens after it are padding)
     step_index: torch.Tensor | None = None  # [N] int64, each sample's step in its episode (0-based)
+    # MoE routing replay: row t holds the expert ids the engine routed input token t to in
+    # each decoder layer (training/routing_replay.py); padding rows hold 0..k-1.
+    routed_experts: torch.Tensor | None = None  # [N, L-1, layers, k] uint8 (<= 256 experts) or int16
     temperature: float = 1.0  # logits are divided by it, as the rollout engine did
     # A data-parallel shard: its rows' positions in the whole batch, and that batch's size
     # (None: this is the whole batch).
@@ -117,7 +120,7 @@ class TrainBatch:
         cut = {"tokens": self.tokens[:, :width]}
         for name in PER_TOKEN:
             value = getattr(self, name)
-            if value is not None and value.dim() == 2:
+            if value is not None and value.dim() >= 2:
                 cut[name] = value[:, : width - 1]
         return replace(self, **cut)
 
@@ -163,12 +166,14 @@ class TrainBatch:
         rollout_logprobs: list | None = None,
         temperature: float = 1.0,
         images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+        routed_experts: list | None = None,
     ) -> TrainBatch:
         """Pack prompt/response ids (per sequence a list of ints or a 1-D integer array);
         rollout logprobs (per sequence a list or array, one per response token) are placed
         on the target positions of their tokens. `images`: per sequence, None or
         (pixel_values [p, D], image_grid_thw [n, 3]) of its prompt's images in text order.
-        All ids go into one array, then into the padded tensor where a mask of the real
+        `routed_experts`: per sequence the engine's [prompt + response - 1, layers, k] expert
+        ids (one array dtype for all), placed on the rows of the tokens they routed. All ids go into one array, then into the padded tensor where a mask of the real
         positions says (row-major, so in sequence order); the logprobs likewise."""
         n = len(prompts)
         if len(responses) != n or (rollout_logprobs is not None and len(rollout_logprobs) != n):
@@ -201,8 +206,28 @@ class TrainBatch:
             rollout = torch.zeros(n, width - 1)
             rollout[response] = torch.from_numpy(_one_after_another(list(rollout_logprobs), np.float64)).to(rollout.dtype)
         adv = None if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
-        return cls(tokens, mask, advantages=adv, rollout_logprobs=rollout,
+        routes = None if routed_experts is None else pack_routes(routed_experts, lengths, width)
+        return cls(tokens, mask, advantages=adv, rollout_logprobs=rollout, routed_experts=routes,
                    lengths=torch.tensor(lengths), temperature=temperature, **pack_images(images, n))
+
+
+def pack_routes(routes: list, lengths: np.ndarray, width: int) -> torch.Tensor:
+    """Per sequence [length - 1, layers, k] expert ids -> [n, width - 1, layers, k], each
+    sequence's rows from column 0, padding rows 0..k-1 (distinct, as a top-k is)."""
+    routes = [np.asarray(r) for r in routes]
+    if len(routes) != len(lengths):
+        raise ValueError(f"routed experts for {len(routes)} sequences, {len(lengths)} sequences")
+    shapes = {r.shape[1:] for r in routes}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"routed experts must be [tokens, layers, k] alike; got shapes {sorted(shapes)}")
+    for i, (r, length) in enumerate(zip(routes, lengths)):
+        if r.shape[0] != length - 1:
+            raise ValueError(f"sequence {i}: routed experts for {r.shape[0]} tokens, it feeds {length - 1}")
+    layers, k = shapes.pop()
+    out = torch.arange(k, dtype=torch.from_numpy(routes[0][:0]).dtype).expand(len(routes), width - 1, layers, k)
+    out = out.clone()
+    out[torch.from_numpy(np.arange(width - 1) < lengths[:, None] - 1)] = torch.from_numpy(np.concatenate(routes))
+    return out
 
 
 def _one_after_another(sequences: list, list_dtype) -> np.ndarray:
@@ -213,7 +238,7 @@ def _one_after_another(sequences: list, list_dtype) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(sequences), list_dtype, sum(map(len, sequences)))
 
 
-PER_TOKEN = ("response_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+PER_TOKEN = ("response_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "routed_experts")
 SCALARS = ("temperature", "whole_size")
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "images_per_sample")
 

@@ -48,6 +48,8 @@ class ValueHead(torch.nn.Module):
 class Critic(Actor):
     """Same model building, optimizer, schedule and checkpoints as the actor."""
 
+    REPLAYS_ROUTING = False  # a value model routes by its own weights
+
     def _build_chunks(self, build: dict) -> list:
         hf = dict(self.hf, tie_word_embeddings=False)  # the head is its own parameter
         chunks = build_model(hf, self.parallel, **build)

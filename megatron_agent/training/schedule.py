@@ -9,6 +9,9 @@ Sequence lengths are padded here, on the way into the model, to what the layout 
 (`batch.sequence_multiple`: TP with sequence parallelism, FP8, CP); the model's output
 is cut back to the micro-batch's own width before the loss function sees it, so losses,
 logprobs, metrics and token counts are those of the unpadded micro-batch.
+
+A micro-batch with "routed_experts" ([b, s, layers, k], the rollout engine's expert ids)
+is routed by them in every MoE layer (training/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from functools import partial
 
 import torch
 
+from megatron_agent.training import routing_replay
 from megatron_agent.training.batch import padded_length, sequence_multiple
 
 MicroBatch = dict[str, torch.Tensor]
@@ -102,7 +106,11 @@ def _forward_step(loss_fn: LossFn, multiple: int, data_iterator, model):
     images = {k: micro_batch[k] for k in VISION_INPUTS if k in micro_batch}
     if "image_mask" in images:  # the padding columns are text
         images["image_mask"] = torch.nn.functional.pad(images["image_mask"], (0, width - columns), value=False)
+    routes = micro_batch.get("routed_experts")
+    routing_replay.arm(model, None if routes is None else routing_replay.pad_routes(routes, width))
     output = model(input_ids, positions, attention_mask=None, labels=labels, **images)
+    if routes is not None:
+        routing_replay.forward_done(model)
 
     def loss(output_tensor):
         # Last stage only: [b, s_padded, ...] back to the micro-batch's own columns, so
@@ -132,15 +140,19 @@ def run_schedule(
     shape = micro_batches[0]["input_ids"].shape
     multiple = layout_multiple(chunks)
     data = [iter(micro_batches) for _ in chunks]
-    return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn, multiple),
-        data_iterator=data if len(chunks) > 1 else data[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=max(padded_length(mb["input_ids"].shape[1], multiple) for mb in micro_batches),
-        micro_batch_size=shape[0],
-        forward_only=forward_only,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn, multiple),
+            data_iterator=data if len(chunks) > 1 else data[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=max(padded_length(mb["input_ids"].shape[1], multiple) for mb in micro_batches),
+            micro_batch_size=shape[0],
+            forward_only=forward_only,
+        )
+    finally:
+        if any("routed_experts" in mb for mb in micro_batches):
+            routing_replay.disarm(chunks)
 
 
 def language_model_micro_batch(tokens: torch.Tensor) -> MicroBatch:

@@ -261,7 +261,8 @@ def test_train_batch_takes_each_step_samples_images():
 
     def step(prompt, pixels=None, grid=None):
         return SimpleNamespace(prompt_ids=prompt, response_ids=[4], rollout_logprobs=[-0.5],
-                               pixel_values=pixels, image_grid_thw=grid, step_index=0)
+                               pixel_values=pixels, image_grid_thw=grid, step_index=0,
+                               routed_experts=None)
 
     pixels = torch.arange(16, dtype=torch.float32).reshape(8, 2)
     samples = [step([5, IMAGE, 7], pixels[:4], torch.tensor([[1, 2, 2]])), step([5]),

@@ -1,0 +1,160 @@
+"""Routing replay (algorithm.routing_replay=rollout) on the tiny MoE, against transformers with
+its routers forced to the same expert ids, at TP=1 and across layouts.
+
+The routes are drawn at random (two distinct experts of four per token and layer), so most
+differ from the model's natural top-2: a trainer that ignored them, or gave a router another
+token's ids, would compute other logprobs. One 2-rank job runs every layout on one batch:
+- every router's routing map is exactly the given ids, on every rank (a forward hook);
+- the logprobs equal transformers' teacher-forced ones with the same forced routes (1e-4),
+  and TP=1's at TP=2 + SP + EP=2 and PP=2 (1e-5);
+- one update gives TP=1's new weights at the other layouts (1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_agent.platform.launch import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+LAYOUTS = [dict(tp=2, sequence_parallel=True, ep=2, etp=1), dict(pp=2)]
+TEMPERATURE = 0.9
+
+
+def _batch(hf: dict):
+    from megatron_agent.training.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    vocab, layers, experts, k = hf["vocab_size"], hf["num_hidden_layers"], hf["num_experts"], hf["num_experts_per_tok"]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (6, 9, 4, 7)]
+    responses = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 3, 7, 4)]
+    routes = [torch.rand(len(p) + len(r) - 1, layers, experts, generator=g).argsort(-1)[..., :k].to(torch.uint8).numpy()
+              for p, r in zip(prompts, responses)]
+    return TrainBatch.from_sequences(prompts, responses, advantages=[1.0, -0.5, 1.5, -0.8], temperature=TEMPERATURE,
+                                     routed_experts=routes)
+
+
+def _layout_name(layout: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in layout.items()) or "tp=1"
+
+
+def _worker(model_dir: str) -> dict:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_agent.algorithms import AlgorithmConfig
+    from megatron_agent.models import read_hf_config
+    from megatron_agent.platform import (
+        ParallelConfig,
+        destroy_model_parallel,
+        init_distributed,
+        initialize_model_parallel,
+        set_seed,
+    )
+    from megatron_agent.training.actor import Actor, ActorConfig
+
+    hf = read_hf_config(model_dir)
+    algorithm = AlgorithmConfig(use_kl_loss=False, entropy_coef=0.0, routing_replay="rollout")
+    config = ActorConfig(lr=1e-3, max_tokens_per_micro_batch=32, use_distributed_optimizer=False)
+    ctx = init_distributed(ParallelConfig(), seed=5)
+    destroy_model_parallel()
+    results = {}
+    for layout in [dict()] + LAYOUTS:
+        initialize_model_parallel(ParallelConfig(**layout), ctx.world_size)
+        set_seed(5)
+        actor = Actor(model_dir, ParallelConfig(**layout), config, algorithm)
+        counts = {"mismatches": 0, "routed": 0}
+
+        def compare(router, _inputs, output, counts=counts):  # the map it produced against the ids it was given
+            ids = router.router_replay.target_topk_idx
+            given = torch.zeros_like(output[1]).scatter(1, ids.to(output[1].device), True)
+            counts["mismatches"] += int((given != output[1]).any(-1).sum())
+            counts["routed"] += output[1].shape[0]
+
+        hooks = [m.register_forward_hook(compare) for chunk in actor.chunks for m in chunk.modules()
+                 if isinstance(m, TopKRouter)]
+        batch = _batch(hf)
+        logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
+        batch.old_logprobs = logprobs
+        actor.update(batch)
+        for hook in hooks:
+            hook.remove()
+        results[_layout_name(layout)] = {
+            "logprobs": logprobs, **counts,
+            "weights": {k: v.clone() for k, v in actor.named_hf_weights()}}
+        del actor
+        destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def replay_results(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen3_moe")
+    return model_dir, run_on_ranks(_worker, 2, str(model_dir), timeout_s=600)
+
+
+def _forced_routes_logprobs(model_dir, batch) -> torch.Tensor:
+    """transformers' teacher-forced logprobs with every router returning the batch's ids
+    (scores: the softmax over all experts at those ids, renormalised, as norm_topk_prob)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    routes = batch.routed_experts.long()  # [N, L-1, layers, k]
+
+    def forced(layer):
+        def forward(hidden_states):
+            gate = model.model.layers[layer].mlp.gate
+            logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
+            ids = routes[:, :, layer].reshape(-1, routes.shape[-1])
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+            return logits, scores / scores.sum(-1, keepdim=True), ids
+        return forward
+
+    for layer, block in enumerate(model.model.layers):
+        block.mlp.gate.forward = forced(layer)
+    with torch.no_grad():
+        logits = model(batch.tokens[:, :-1]).logits / TEMPERATURE
+    return torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
+
+
+def test_replayed_routing_is_the_engines_on_every_token_and_layer(replay_results):
+    _, per_rank = replay_results
+    for name in ["tp=1"] + [_layout_name(layout) for layout in LAYOUTS]:
+        for rank in per_rank:
+            assert rank[name]["routed"] > 0 and rank[name]["mismatches"] == 0, (name, rank[name])
+
+
+def test_replayed_logprobs_match_transformers_with_the_same_routes_at_every_layout(replay_results):
+    from megatron_agent.models import read_hf_config
+
+    model_dir, per_rank = replay_results
+    batch = _batch(read_hf_config(model_dir))
+    mask = batch.response_mask.bool()
+    forced = _forced_routes_logprobs(model_dir, batch)
+    reference = per_rank[0]["tp=1"]["logprobs"]
+    assert (reference - forced)[mask].abs().max() < 1e-4
+    from transformers import AutoModelForCausalLM
+
+    natural = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = natural(batch.tokens[:, :-1]).logits / TEMPERATURE
+    natural_logprobs = torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    assert (reference - natural_logprobs)[mask].abs().max() > 1e-2  # the routes changed the network
+    for layout in LAYOUTS:
+        for rank in per_rank:
+            got = rank[_layout_name(layout)]["logprobs"]
+            assert (got - reference)[mask].abs().max() < 1e-5, layout
+
+
+def test_an_update_with_replay_matches_tp1_at_every_layout(replay_results):
+    _, per_rank = replay_results
+    reference = {}
+    for rank in per_rank:
+        reference.update(rank["tp=1"]["weights"])
+    for layout in LAYOUTS:
+        merged = {}
+        for rank in per_rank:
+            merged.update(rank[_layout_name(layout)]["weights"])
+        assert merged.keys() == reference.keys()
+        assert max(float((merged[k] - reference[k]).abs().max()) for k in merged) < 1e-5, layout
