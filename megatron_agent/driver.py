@@ -146,10 +146,8 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
 
             with phase("logprobs"):
                 quantized = config.weight_sync.quantize
-                # quantized rollouts and rollout corrections: the engines' mismatch every iteration,
-                # from the old logprobs
-                if (config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1 or quantized
-                        or config.algorithm.corrects_rollout):
+                # quantized rollouts: the whole batch's gap every iteration, from the old logprobs
+                if config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1 or quantized:
                     batch.old_logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
                 # served vs trained compares the same weights: not for a rollout done ahead
                 checked = (served_vs_trained(actor, batch, config.check, config.actor.params_dtype, iteration,

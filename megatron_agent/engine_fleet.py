@@ -105,7 +105,7 @@ class EngineFleet:
                 if not self.engine_config.urls:
                     self.engines = self.launch_engines(self.engine_config, model_dir, self.log_dir)
                 urls = list(self.engine_config.urls) or [e.url for e in self.engines]
-                self.client = engine_client(self.engine_config, urls)
+                self.client = engine_client(self.engine_config, urls, model_dir)
                 if self.colocate:
                     self.frees_memory, problem = release_check(self._server_infos(urls))
                     if not self.frees_memory and not problem:
@@ -215,7 +215,7 @@ class EngineFleet:
         self.client.close()
         self.released = set()  # new engines hold their memory
         self.engines = self.launch_engines(self.engine_config, self.model_dir, self.log_dir)
-        self.client = engine_client(self.engine_config, [e.url for e in self.engines])
+        self.client = engine_client(self.engine_config, [e.url for e in self.engines], self.model_dir)
 
     def close(self) -> None:
         from rollout.engine_launch import stop_engines

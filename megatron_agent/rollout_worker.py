@@ -60,7 +60,7 @@ class RolloutWorker:
     def __init__(self, config, index: int, model_dir: str | None, *, envs=None, tokenizer=None, engine=None):
         from rollout.vision import load_image_processor
 
-        self.config, self.index = config, index
+        self.config, self.index, self.model_dir = config, index, model_dir
         self.groups = worker_groups(config.num_groups, config.rollout.workers)[index]
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -97,7 +97,7 @@ class RolloutWorker:
             return
         if self.engine is not None:
             self.engine.close()
-        self.engine, self.urls = engine_client(self.config.engine, mine), mine
+        self.engine, self.urls = engine_client(self.config.engine, mine, self.model_dir), mine
 
     def begin(self, iteration: int) -> None:
         self.held = {i: h for i, h in self.held.items() if i == iteration - 1}  # overlap_rollout: the one training

@@ -123,11 +123,14 @@ def load_run_config(overrides: list[str] | None = None, *, config_dir: Path = CO
 def resolve_defaults(run: RunConfig) -> None:
     """Defaults that depend on other sections, written into the config (so run_dir/config.json
     shows them): FP8 rollouts turn truncated importance sampling on (algorithm.tis_cap
-    FP8_DEFAULT_TIS_CAP) unless a rollout correction is set."""
+    FP8_DEFAULT_TIS_CAP) unless a rollout correction is set; routing replay from the
+    rollout asks the engines for routes (engine.return_routed_experts)."""
     from megatron_agent.weight_sync.fp8 import FP8_DEFAULT_TIS_CAP
 
     if run.weight_sync.quantize == "fp8" and not run.algorithm.corrects_rollout:
         run.algorithm.tis_cap = FP8_DEFAULT_TIS_CAP
+    if run.algorithm.routing_replay == "rollout":
+        run.engine.return_routed_experts = True
 
 
 def _schema():
@@ -204,6 +207,7 @@ def validate_run_config(run: RunConfig) -> None:
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)
+    validate_routing_replay(run)
     validate_quantized_rollout(run)
     validate_prompt_fits_context(run)
     validate_tokenizer_reads_the_env(run, env_copy)
@@ -288,6 +292,20 @@ def validate_placement(run: RunConfig) -> None:
             raise ConfigError(str(err)) from None
     if run.engine.server == "sglang" and not run.engine.urls and run.placement.launcher != "ray":
         raise ConfigError("engine.server='sglang' is started by placement.launcher=ray (or give engine.urls)")
+
+
+def validate_routing_replay(run: RunConfig) -> None:
+    """algorithm.routing_replay replays an MoE model's routing."""
+    if run.algorithm.routing_replay == "none":
+        return
+    from megatron_agent.models.transformer_config import num_experts
+
+    hf = model_hf_config(run)
+    if not num_experts(hf):
+        model = run.model_dir or f"tiny_model.family={run.tiny_model.family!r}"
+        raise ConfigError(f"algorithm.routing_replay={run.algorithm.routing_replay} replays the routing of a "
+                          f"mixture-of-experts model; {model} (model_type={hf.get('model_type')!r}) has no "
+                          "experts (model=tiny-moe, model=qwen3-30b-a3b, or routing_replay=none)")
 
 
 def validate_quantized_rollout(run: RunConfig) -> None:

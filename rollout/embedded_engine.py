@@ -36,6 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rollout.engine_guard import generation_problem
@@ -49,6 +50,7 @@ from rollout.engine_weights import (
     weight_view,
 )
 from rollout.fp8_blocks import DEFAULT_BLOCK, Fp8Pairs, fp8_block_size, scale_shape, weight_name_of
+from rollout.routed_experts import RouteRecorder, is_moe
 from rollout.token_sampler import sample_tokens, token_uniforms
 from rollout.vision import (
     ImageTokenMismatch,
@@ -119,6 +121,9 @@ class Completion:
     prompt_tokens: int
     weight_version: str
     rank: int = 0  # the engine rank that served it (engine_ranks.RankedEngine: 0..N-1)
+    # when asked (an MoE model): int32 [prompt_tokens + len(output_ids) - 1, layers, k], the
+    # experts each fed token went to (rollout/routed_experts.py)
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -138,6 +143,7 @@ class Request:
     rid: str
     images: RequestImages | None = None
     positions: torch.Tensor | None = None  # a vision-language model's mrope positions [3, len]
+    routed_experts: bool = False  # return the experts each fed token went to
     done: threading.Event = field(default_factory=threading.Event)
     result: Completion | None = None
     error: str | None = None  # why it failed inside the worker (no traceback: that is logged)
@@ -158,6 +164,7 @@ class _Row:
     out_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
+    routes: list[np.ndarray] | None = None  # per forward, the fed tokens' [tokens, layers, k] expert ids
 
 
 class Engine:
@@ -175,6 +182,7 @@ class Engine:
         self.released: set[str] = set()  # memory tags released (engine_memory.py)
         self.vision = is_vision_model(model_path)
         self.model, self.fp8 = self._load_model(model_path)
+        self.routes = RouteRecorder(self.model) if is_moe(self.model) else None  # routed experts, when asked
         # the most a weight-update bucket that does not fit may announce and still be received
         # (so its sender never hangs): the model's own size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -263,9 +271,13 @@ class Engine:
         return RequestImages(ids, pixel_values, grid)
 
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str,
-               images: RequestImages | None = None) -> Request:
+               images: RequestImages | None = None, routed_experts: bool = False) -> Request:
         """Queue one request. `images`: its `prepare_images` (then `input_ids` are unused:
-        the images carry the expanded ids)."""
+        the images carry the expanded ids). `routed_experts`: return the experts each fed
+        token went to (an MoE model)."""
+        if routed_experts and self.routes is None:
+            raise BadRequest(f"return_routed_experts: {self.model_path} is not a mixture-of-experts model",
+                             "return_routed_experts")
         if images is not None:
             input_ids = images.input_ids
             images = images if images.pixel_values is not None else None
@@ -275,7 +287,7 @@ class Engine:
                                      max_new_tokens_cap=self.max_new_tokens_cap)
         if problem:
             raise BadRequest(problem)
-        req = Request(list(map(int, input_ids)), params, rid, images)
+        req = Request(list(map(int, input_ids)), params, rid, images, routed_experts=routed_experts)
         if self.vision:
             try:
                 req.positions = mrope_positions(req.input_ids, self.image_pad_id,
@@ -287,13 +299,15 @@ class Engine:
         return req
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
-                 images: list[RequestImages | None] | None = None) -> list[Completion]:
+                 images: list[RequestImages | None] | None = None,
+                 routed_experts: bool = False) -> list[Completion]:
         """Queue one request per prompt and wait for them all (they batch with others).
-        `images`: each prompt's `prepare_images` (None: a text prompt)."""
+        `images`: each prompt's `prepare_images` (None: a text prompt). `routed_experts`:
+        for every prompt, as SGLang's one `return_routed_experts` per call."""
         images = images if images is not None else [None] * len(prompts)
         if not (len(params) == len(rids) == len(prompts) == len(images)):
             raise BadRequest("input_ids, sampling_params, rid and image_data differ in length")
-        reqs = [self.submit(p, sp, rid, im) for p, sp, rid, im in zip(prompts, params, rids, images)]
+        reqs = [self.submit(p, sp, rid, im, routed_experts) for p, sp, rid, im in zip(prompts, params, rids, images)]
         for req in reqs:
             req.done.wait()
             if req.error is not None:
@@ -395,6 +409,11 @@ class Engine:
         with self.model_lock:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                 logits_to_keep=1, **extra, **{self.cache_kw: cache}).logits[:, -1, :].float()
+        record = self.routes is not None and any(r.routed_experts for r in batch)
+        if record:  # each asking row's own (left-padded) prompt columns
+            prefill = self.routes.take(len(batch), width)
+            for i, row in enumerate(rows):
+                row.routes = [prefill[i, width - len(row.req.input_ids):]] if row.req.routed_experts else None
         # the next token's position: the row's largest so far + 1 (after an image, more than its length)
         next_pos = (positions.amax(dim=(0, 2)) if self.vision else positions[:, -1]) + 1
         temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
@@ -438,6 +457,11 @@ class Engine:
                 logits = self.model(input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
                                     attention_mask=mask, position_ids=step_positions, use_cache=True,
                                     **{self.cache_kw: cache}).logits[:, -1, :].float()
+            if record:  # one fed token per active row (a row's last sampled token is never fed)
+                step = self.routes.take(len(active), 1)
+                for j, i in enumerate(active):
+                    if rows[i].routes is not None:
+                        rows[i].routes.append(step[j])
             next_pos = next_pos + 1
 
     def _vision_inputs(self, batch: list[Request], width: int) -> tuple[torch.Tensor, dict]:
@@ -458,6 +482,7 @@ class Engine:
             text=self.tokenizer.decode(row.out_ids, skip_special_tokens=req.params.skip_special_tokens),
             output_ids=row.out_ids, logprobs=row.logprobs, finish_reason=row.finish,
             prompt_tokens=len(req.input_ids), weight_version=self.weight_version,
+            routed_experts=np.concatenate(row.routes) if row.routes else None,
         )
         req.done.set()
 

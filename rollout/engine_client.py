@@ -274,7 +274,7 @@ class EngineClient:
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 300.0, max_attempts: int = 3,
                  auth_token: str | None = None, max_sticky_keys: int = 1_000_000,
                  max_inflight_per_engine: int = 64, rebalance_threshold: int = 32, requests_per_call: int = 1,
-                 transport=None):
+                 transport=None, route_shape=None):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -296,6 +296,8 @@ class EngineClient:
         # benchmark or test serves the protocol in process.
         self.transport = transport or http_json
         self.dead_events: list[tuple[str, str]] = []  # (url, reason), for tests and metrics
+        # asks every request for its routed experts, read in this shape (rollout/routed_experts.py)
+        self.route_shape = route_shape
 
     # -- generation --------------------------------------------------------------------
     def generate(
@@ -467,6 +469,8 @@ class EngineClient:
                        prompt_tokens=None) -> list[GenerateOutput]:
         """`input_ids`: each prompt's ids as `token_id_list` gives them."""
         body = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
+        if self.route_shape is not None:
+            body["return_routed_experts"] = True
         if rids:
             body["rid"] = list(rids)
         if image_data and any(image_data):  # SGLang's per-request lists; [] for a text request
@@ -477,7 +481,7 @@ class EngineClient:
         if status != 200:
             raise EngineError(f"{url}/generate answered HTTP {status}: {_shown(payload)}")
         try:
-            answers = generate_outputs(payload, len(input_ids), url)
+            answers = generate_outputs(payload, len(input_ids), url, self.route_shape)
         except MalformedAnswer as e:
             raise _ServerFailed(f"malformed /generate answer for {len(input_ids)} prompt(s): {e}") from None
         for k, (_, meta) in enumerate(answers):

@@ -16,6 +16,7 @@ from pathlib import Path
 from rollout.engine_client import EngineClient, http_json
 from rollout.engine_guard import require_token, resolve_token
 from rollout.processes import die_with_parent, free_port
+from rollout.routed_experts import route_shape
 from rollout.vision import is_vision_model
 
 _PORT_RETRIES = 3
@@ -59,6 +60,9 @@ class EngineConfig:
     # trainer, COLOCATED_MEM_FRACTION_STATIC (the rest is the actor's while the engine runs).
     mem_fraction_static: float | None = None
     server_args: tuple[str, ...] = ()  # extra command-line flags for each SGLang server (they come last: they win)
+    # Ask for each fed token's experts (MoE routing replay; SGLang's --enable-return-routed-
+    # experts, rollout/routed_experts.py); the run turns it on with algorithm.routing_replay.
+    return_routed_experts: bool = False
 
 
 # Colocated SGLang's default --mem-fraction-static. SGLang (0.5.23) sizes its KV cache so
@@ -207,7 +211,8 @@ def sglang_server_command(config: EngineConfig, model_path: str | Path, port: in
             "--max-running-requests", str(config.max_batch_size),
             *(["--enable-memory-saver"] if colocated else []),
             *(["--mem-fraction-static", str(fraction)] if fraction is not None else []),
-            *(["--api-key", token] if token else []), *config.server_args]
+            *(["--api-key", token] if token else []),
+            *(["--enable-return-routed-experts"] if config.return_routed_experts else []), *config.server_args]
 
 
 def sglang_model_environment(model_path: str | Path, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -375,10 +380,15 @@ def start_sglang_cpu_server(model_path: str | Path, *, tp_size: int = 1, python:
     raise AssertionError("unreachable")
 
 
-def engine_client(config: EngineConfig, urls: list[str]) -> EngineClient:
+def engine_client(config: EngineConfig, urls: list[str], model_path: str | Path | None = None) -> EngineClient:
+    """A client for `urls`; with `config.return_routed_experts`, one that asks for routes and
+    reads them in the layout of the model at `model_path` (its config.json)."""
+    if config.return_routed_experts and model_path is None:
+        raise ValueError("engine.return_routed_experts needs the model's path (its layers, top-k and experts)")
     return EngineClient(urls, timeout_s=config.timeout_s, max_attempts=config.max_attempts,
                         auth_token=config.auth_token, max_inflight_per_engine=config.max_inflight_per_engine,
-                        requests_per_call=config.requests_per_call)
+                        requests_per_call=config.requests_per_call,
+                        route_shape=route_shape(model_path) if config.return_routed_experts else None)
 
 
 def start_engines(config: EngineConfig, model_path: str | Path | None = None,
@@ -393,4 +403,4 @@ def start_engines(config: EngineConfig, model_path: str | Path | None = None,
             raise ValueError("no engine URLs configured and no model path to start embedded engines on")
         started = launch_embedded_engines(config, model_path, log_dir)
         urls = [e.url for e in started]
-    return engine_client(config, urls), started
+    return engine_client(config, urls, model_path), started

@@ -199,7 +199,7 @@ class RankedEngine(Engine):
 
     # -- generation --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
-                 images: list | None = None) -> list[Completion]:
+                 images: list | None = None, routed_experts: bool = False) -> list[Completion]:
         """Deal the prompts round-robin over the ranks; each completion names its rank."""
         images = images if images is not None else [None] * len(prompts)
         if not (len(params) == len(rids) == len(prompts) == len(images)):
@@ -212,12 +212,12 @@ class RankedEngine(Engine):
             return [values[i] for i in shares[r]]
 
         futures = {r: self.peers[r - 1].call("generate", part(prompts, r), part(params, r), part(rids, r),
-                                             part(images, r))
+                                             part(images, r), routed_experts)
                    for r in range(1, self.ranks) if shares[r]}
         local: Future = Future()
         try:
-            local.set_result(super().generate(part(prompts, 0), part(params, 0), part(rids, 0), part(images, 0))
-                             if shares[0] else [])
+            local.set_result(super().generate(part(prompts, 0), part(params, 0), part(rids, 0), part(images, 0),
+                                              routed_experts) if shares[0] else [])
         except Exception as err:
             local.set_exception(err)
         ranks = [0, *futures]

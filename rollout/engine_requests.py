@@ -15,7 +15,8 @@ What SGLang 0.5.23 accepts, these accept; what it refuses, they refuse. Followed
   `sglang/srt/managers/io_struct.py` `GenerateReqInput` (input_ids a list of ids or of
   lists, "input_ids cannot be empty"; rid a string, for a batch the prefix of
   "{rid}_{i}", or one unique string per prompt; one sampling_params object for all
-  prompts or one per prompt; return_logprob a bool or one per prompt).
+  prompts or one per prompt; return_logprob a bool or one per prompt;
+  return_routed_experts one bool for the call).
 - `sglang/srt/sampling/sampling_params.py` `SamplingParams`: `__post_init__` (null is the
   default; a temperature in [0, 1e-6) is greedy), `verify` (temperature finite and >= 0;
   top_p in (0, 1]; top_k -1 or >= 1; max_new_tokens >= 0; sampling_seed an integer in
@@ -110,6 +111,7 @@ class GenerateRequest:
     single: bool  # one prompt sent bare: answered with one object, not a list
     return_logprob: list[bool]
     image_data: object  # as sent; checked with the images (engine_server._request_images)
+    routed_experts: bool = False  # return_routed_experts: the experts each fed token went to (MoE)
 
 
 def parse_sampling_params(p, field: str, *, prompt_tokens: int, limits: GenerationLimits) -> SamplingParams:
@@ -262,7 +264,8 @@ def parse_generate(body: dict, limits: GenerationLimits, prompt_tokens: list[int
             raise BadRequest(str(err) if n == 1 else f"prompt {i}: {err}", err.field) from None
     logprob = _per_prompt(body.get("return_logprob"), "return_logprob", n)
     logprob = [optional({"return_logprob": v}, "return_logprob", boolean, False) for v in logprob]
-    return GenerateRequest(prompts, sampling, rids, single, logprob, body.get("image_data"))
+    routed = optional(body, "return_routed_experts", boolean, False)  # one for the call, as SGLang's
+    return GenerateRequest(prompts, sampling, rids, single, logprob, body.get("image_data"), routed)
 
 
 def _rids(rid, n: int, single: bool) -> list[str]:

@@ -12,12 +12,20 @@ alone. Stricter than the contract where the trainer needs it: every logprob a fi
 number (NaN, +-Infinity or null would poison the importance ratios), the logprobs' token
 ids the output ids, ids non-negative integers. A malformed answer is the engine's fault:
 the client treats it as a failed server (rollout/engine_client.py).
+
+Asked for routed experts (`route_shape`), each answer must carry them
+(`meta_info.routed_experts`, rollout/routed_experts.py) for its `prompt_tokens + len(output_ids) - 1`
+fed tokens; only a request aborted before it started (no output) may come without.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
+
+from rollout.routed_experts import RouteShape, decode_routes, route_dtype
 
 
 class MalformedAnswer(ValueError):
@@ -32,6 +40,7 @@ class GenerateOutput:
     text: str
     weight_version: str
     server: str
+    routed_experts: np.ndarray | None = None  # [fed tokens, layers, k], when asked
 
 
 def _token_id(value, where: str) -> int:
@@ -54,8 +63,10 @@ def _logprob(entry, where: str) -> tuple[float, int]:
     return float(lp), _token_id(entry[1], f"{where}'s token id")
 
 
-def generate_output(item, server: str, k: int = 0) -> tuple[GenerateOutput, dict]:
-    """One prompt's answer -> (its GenerateOutput, its meta_info)."""
+def generate_output(item, server: str, k: int = 0, route_shape: RouteShape | None = None
+                    ) -> tuple[GenerateOutput, dict]:
+    """One prompt's answer -> (its GenerateOutput, its meta_info); with `route_shape`, its
+    routed experts too."""
     where = f"answer {k}"
     if type(item) is not dict:
         raise MalformedAnswer(f"{where} is not an object: {_brief(item)}")
@@ -87,15 +98,36 @@ def generate_output(item, server: str, k: int = 0) -> tuple[GenerateOutput, dict
     version = meta.get("weight_version", "")
     if type(version) not in (str, int):
         raise MalformedAnswer(f"{where}'s weight_version is neither a string nor an integer")
+    routes = None if route_shape is None else _routes(meta, len(ids), route_shape, where)
     return GenerateOutput(output_ids=ids, logprobs=[lp for lp, _ in pairs], finish_reason=kind, text=text,
-                          weight_version=str(version), server=server), meta
+                          weight_version=str(version), server=server, routed_experts=routes), meta
 
 
-def generate_outputs(payload, n: int, server: str) -> list[tuple[GenerateOutput, dict]]:
+def _routes(meta: dict, outputs: int, shape: RouteShape, where: str) -> np.ndarray:
+    prompt = meta.get("prompt_tokens")
+    if type(prompt) is not int or prompt < 1:
+        raise MalformedAnswer(f"{where}'s prompt_tokens is not a positive integer: {_brief(prompt)}")
+    fed = prompt + outputs - 1
+    text = meta.get("routed_experts")
+    if text is None:
+        if outputs:
+            raise MalformedAnswer(f"{where} has no meta_info.routed_experts, which was asked for: start SGLang "
+                                  "with --enable-return-routed-experts (engine.return_routed_experts)")
+        # aborted before its prefill: nothing was routed, and no response token reaches a loss
+        filler = np.arange(shape.k, dtype=route_dtype(shape.num_experts))
+        return np.ascontiguousarray(np.broadcast_to(filler, (fed, shape.layers, shape.k)))
+    try:
+        return decode_routes(text, rows=fed, layers=shape.layers, k=shape.k, num_experts=shape.num_experts)
+    except ValueError as err:
+        raise MalformedAnswer(f"{where}: {err}") from None
+
+
+def generate_outputs(payload, n: int, server: str, route_shape: RouteShape | None = None
+                     ) -> list[tuple[GenerateOutput, dict]]:
     """A /generate answer for `n` prompts -> each prompt's (GenerateOutput, meta_info)."""
     if isinstance(payload, dict):  # one prompt: SGLang may answer with the object alone
         payload = [payload]
     if not isinstance(payload, list) or len(payload) != n:
         shown = f"a list of {len(payload)}" if isinstance(payload, list) else type(payload).__name__
         raise MalformedAnswer(f"{shown} where {n} answer(s) were due")
-    return [generate_output(item, server, k) for k, item in enumerate(payload)]
+    return [generate_output(item, server, k, route_shape) for k, item in enumerate(payload)]

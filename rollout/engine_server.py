@@ -94,6 +94,7 @@ from rollout.engine_requests import (
     parse_weights_checksum,
 )
 from rollout.json_fields import describe, parse_json_object
+from rollout.routed_experts import encode_routes
 
 log = logging.getLogger("rollout.engine_server")
 
@@ -119,6 +120,8 @@ def completion_json(c: Completion, return_logprob: bool) -> dict:
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
     meta["engine_rank"] = c.rank  # not in SGLang: which of the engine's ranks served it
+    if c.routed_experts is not None:
+        meta["routed_experts"] = encode_routes(c.routed_experts)
     return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta}
 
 
@@ -141,7 +144,7 @@ def generate(engine: Engine, body: dict):
             req = replace(parse_generate(body, limits, expanded), rids=req.rids)
         except BadRequest as err:
             raise BadRequest(f"{err} (with each image pad expanded to its image's tokens)", err.field) from None
-    completions = engine.generate(req.prompts, req.sampling, req.rids, images)
+    completions = engine.generate(req.prompts, req.sampling, req.rids, images, req.routed_experts)
     results = [completion_json(c, lp) for c, lp in zip(completions, req.return_logprob)]
     return results[0] if req.single else results
 

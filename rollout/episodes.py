@@ -159,6 +159,7 @@ class Slot:
             info={k: v for k, v in info.items() if k in ("failed", "error", "truncated", "action")},
             images=list(prompt.images), image_entries=list(prompt.image_entries), observation=obs.text,
             pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,
+            routed_experts=output.routed_experts,
         )
         self.trajectories[i].append(sample)
         self.memories[i].store(StepRecord(step, obs.text, text, float(reward), sample.is_action_valid,

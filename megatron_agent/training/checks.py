@@ -99,7 +99,10 @@ def mismatch_by_turn(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     sums[:, 1].index_add_(0, steps, on.sum(-1).double())
     if dropped is not None:
         sums[:, 2].index_add_(0, steps, (dropped.bool() & on).sum(-1).double())
-    worst = torch.zeros(turns, dtype=torch.float64).index_reduce_(0, steps, log_r.abs().amax(-1), "amax")
+    worst = torch.zeros(turns, dtype=torch.float64)
+    per_sample = log_r.abs().amax(-1) if log_r.numel() else torch.zeros(len(steps), dtype=torch.float64)
+    for k in steps.unique().tolist():
+        worst[k] = per_sample[steps == k].max()
     if over_data_parallel:
         sums, worst = _over_data_parallel(sums, "sum"), _over_data_parallel(worst, "max")
     out = {}
