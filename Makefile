@@ -63,7 +63,7 @@ train: $(STAMP)
 test: $(TEST_EXTRAS_STAMP) $(SGLANG_STAMP) $(APPWORLD_STAMP)
 	MEGATRON_AGENT_SGLANG_PYTHON=$${MEGATRON_AGENT_SGLANG_PYTHON:-$(abspath $(VENV_SGLANG))/bin/python} \
 	MEGATRON_AGENT_APPWORLD_PYTHON=$${MEGATRON_AGENT_APPWORLD_PYTHON:-$(abspath $(VENV_APPWORLD))/bin/python} \
-		$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
+		$(PY) -m pytest -n 2 --dist loadgroup --durations=25 $(ARGS)
 
 test-fast: $(TEST_EXTRAS_STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow and not multirank" $(ARGS)
