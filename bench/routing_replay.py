@@ -8,11 +8,11 @@ replay (algorithm.routing_replay=rollout).
 The engine (the embedded engine on the model's block-FP8 checkpoint, as `weight_sync.quantize=fp8`
 serves it) samples from random prompts and returns each fed token's experts. The trainer (the
 Megatron actor at TP 1, fp32, the unquantized weights) recomputes the sampled tokens' logprobs
-twice: routing by its own weights, and replaying the engine's routes. Reported over response
-tokens: the share of (token, MoE layer) decisions, over every fed token, where the trainer's own
-top-k (on the replayed pass's hidden states) differs from the engine's, against the share it
-routed otherwise with replay (0: a hook checks every router); and the engine-vs-trainer KL over
-response tokens (mean of r - 1 - log r, r = exp(trainer - engine)). Ends with the line
+twice: routing by its own weights, and replaying the engine's routes. Reported: the share of
+(fed token, MoE layer) decisions where the trainer routes otherwise than the engine did
+(without replay, its `RoutingWatch`; with replay 0, which the watch checks on every router),
+and the engine-vs-trainer KL over response tokens (mean of r - 1 - log r, r = exp(trainer -
+engine)). Ends with the line
 `routing_replay: disagreement D_off -> D_on, KL K_off -> K_on (N tokens, L layers)`.
 """
 
@@ -45,44 +45,26 @@ def sample_with_routes(model_dir: Path, prompts: int, prompt_tokens: int, new_to
 
 
 def trainer_side(model_dir: str, samples: list) -> dict:
-    """On one trainer rank: the actor's logprobs of the samples routing by its own weights and
-    replaying the engine's routes; in the replayed pass, per router, how many decisions its
-    own top-k would have made otherwise, and how many it made otherwise (must be none).
-    The samples are all one length, so no padding row enters a count."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
+    """On one trainer rank: the actor's logprobs of the samples, routing by its own weights and
+    replaying the engine's routes; each pass's RoutingWatch counts the (fed token, layer)
+    decisions where the trainer's own top-k differs from the engine's (with replay it also
+    checks that every router followed the engine)."""
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.platform import ParallelConfig, init_distributed
     from megatron_agent.training.actor import Actor, ActorConfig
     from megatron_agent.training.batch import TrainBatch
 
     init_distributed(ParallelConfig(), seed=0)
-    routes = [r.astype(np.uint8) for *_, r in samples]
     batch = TrainBatch.from_sequences([p for p, *_ in samples], [o for _, o, *_ in samples],
-                                      rollout_logprobs=[lp for *_, lp, _ in samples], routed_experts=routes)
-    if len(set(batch.lengths.tolist())) != 1:
-        raise ValueError("the samples must be one length (equal prompts, ignore_eos)")
+                                      rollout_logprobs=[lp for *_, lp, _ in samples],
+                                      routed_experts=[r for *_, r in samples])
     out = {}
     for mode in ("none", "rollout"):
         actor = Actor(model_dir, ParallelConfig(), ActorConfig(), AlgorithmConfig(routing_replay=mode))
-        counts = {"differ": 0, "decisions": 0, "replayed_off": 0}
-
-        def compare(router, inputs, output, counts=counts):
-            engine = router.router_replay.target_topk_idx
-            own = router.gating(inputs[0]).view(-1, router.config.num_moe_experts).topk(router.topk, dim=-1).indices
-            counts["differ"] += int((own.sort(-1).values != engine.sort(-1).values).any(-1).sum())
-            counts["decisions"] += engine.shape[0]
-            used = torch.zeros_like(output[1]).scatter(1, engine.to(output[1].device), True)
-            counts["replayed_off"] += int((used != output[1]).any(-1).sum())
-
-        if mode == "rollout":
-            for chunk in actor.chunks:
-                for module in chunk.modules():
-                    if isinstance(module, TopKRouter):
-                        module.register_forward_hook(compare)
-        logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
-        log_r = (logprobs - batch.rollout_logprobs)[batch.response_mask.bool()].double()
-        out[mode] = {**counts, "kl_k3": float((torch.expm1(log_r) - log_r).mean()),
+        result = actor.compute_logprobs(batch, with_entropy=False, watch_routing=True)
+        log_r = (result["logprobs"] - batch.rollout_logprobs)[batch.response_mask.bool()].double()
+        differ, decisions = result["routing"].sum(0).tolist()
+        out[mode] = {"differ": differ, "decisions": decisions, "kl_k3": float((torch.expm1(log_r) - log_r).mean()),
                      "max_abs_diff": float(log_r.abs().max()), "tokens": int(log_r.numel())}
         del actor
     return out
@@ -115,12 +97,11 @@ def main() -> None:
         r = measure(Path(tmp), args.prompts, args.prompt_tokens, args.new_tokens, args.seed)
     off, on = r["none"], r["rollout"]
     for name, row in (("own routing", off), ("replayed", on)):
-        print(f"{name:12s} KL {row['kl_k3']:.3e}  max |gap| {row['max_abs_diff']:.3e}")
-    if on["replayed_off"]:
-        raise SystemExit(f"{on['replayed_off']} replayed decisions did not follow the engine's ids")
-    print(f"routing_replay: disagreement {on['differ'] / on['decisions']:.4f} -> "
-          f"{on['replayed_off'] / on['decisions']:.4f}, KL {off['kl_k3']:.3e} -> {on['kl_k3']:.3e} "
-          f"({off['tokens']} tokens, {r['layers']} layers)")
+        print(f"{name:12s} KL {row['kl_k3']:.3e}  max |gap| {row['max_abs_diff']:.3e}  "
+              f"own top-k unlike the engine's: {row['differ']:.0f} of {row['decisions']:.0f} decisions")
+    # replayed, every router routed by the engine's ids (the watch raises otherwise): 0 by construction
+    print(f"routing_replay: disagreement {off['differ'] / off['decisions']:.4f} -> 0.0000, "
+          f"KL {off['kl_k3']:.3e} -> {on['kl_k3']:.3e} ({off['tokens']} tokens, {r['layers']} layers)")
 
 
 if __name__ == "__main__":

@@ -147,8 +147,11 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
             with phase("logprobs"):
                 quantized = config.weight_sync.quantize
                 # quantized rollouts: the whole batch's gap every iteration, from the old logprobs
+                routing = None  # MoE with the engines' routes: where the trainer's own routing differs
                 if config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1 or quantized:
-                    batch.old_logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
+                    old = actor.compute_logprobs(batch, with_entropy=False,
+                                                 watch_routing=batch.routed_experts is not None)
+                    batch.old_logprobs, routing = old["logprobs"], old.get("routing")
                 # served vs trained compares the same weights: not for a rollout done ahead
                 checked = (served_vs_trained(actor, batch, config.check, config.actor.params_dtype, iteration,
                                              quantize=quantized)
@@ -156,7 +159,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
                 if quantized:
                     checked.update(batch_rollout_gap(batch, prefix=f"{quantized}/"))
                 if batch.old_logprobs is not None:
-                    checked.update(batch_mismatch_by_turn(batch, config.algorithm))
+                    checked.update(batch_mismatch_by_turn(batch, config.algorithm, routing))
                 if actor.reference is not None:  # built for an active KL loss only
                     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True,
                                                                 with_entropy=False)["logprobs"]

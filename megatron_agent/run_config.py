@@ -295,17 +295,20 @@ def validate_placement(run: RunConfig) -> None:
 
 
 def validate_routing_replay(run: RunConfig) -> None:
-    """algorithm.routing_replay replays an MoE model's routing."""
-    if run.algorithm.routing_replay == "none":
+    """algorithm.routing_replay replays, and engine.return_routed_experts returns, an MoE
+    model's routing."""
+    if run.algorithm.routing_replay == "none" and not run.engine.return_routed_experts:
         return
     from megatron_agent.models.transformer_config import num_experts
 
     hf = model_hf_config(run)
     if not num_experts(hf):
         model = run.model_dir or f"tiny_model.family={run.tiny_model.family!r}"
-        raise ConfigError(f"algorithm.routing_replay={run.algorithm.routing_replay} replays the routing of a "
-                          f"mixture-of-experts model; {model} (model_type={hf.get('model_type')!r}) has no "
-                          "experts (model=tiny-moe, model=qwen3-30b-a3b, or routing_replay=none)")
+        setting = (f"algorithm.routing_replay={run.algorithm.routing_replay}" if run.algorithm.routing_replay != "none"
+                   else "engine.return_routed_experts=true")
+        raise ConfigError(f"{setting} is about the routing of a mixture-of-experts model; {model} "
+                          f"(model_type={hf.get('model_type')!r}) has no experts (model=tiny-moe, "
+                          "model=qwen3-30b-a3b)")
 
 
 def validate_quantized_rollout(run: RunConfig) -> None:

@@ -17,6 +17,7 @@ model's micro-batch also carries its samples' images and MRoPE positions
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -41,6 +42,7 @@ from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.adam_steps import adam_steps, materialize_adam_state, set_adam_steps
 from megatron_agent.training.batch import TrainBatch, micro_batch_images, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_logprobs, token_logprobs_and_entropy
+from megatron_agent.training.routing_replay import RoutingWatch
 from megatron_agent.training.schedule import (
     attach_grad_finalization,
     layout_multiple,
@@ -182,11 +184,13 @@ class Actor:
             }
             if batch.has_images or "vision_config" in self.hf:
                 mb.update(micro_batch_images(batch, idx, mb["input_ids"], self.hf))
-            if self.replays_routing:
-                if batch.routed_experts is None:
-                    raise ValueError("algorithm.routing_replay=rollout: the batch carries no routed_experts "
-                                     "(the engines' expert ids)")
+            if self.replays_routing and batch.routed_experts is None:
+                raise ValueError("algorithm.routing_replay=rollout: the batch carries no routed_experts "
+                                 "(the engines' expert ids)")
+            if self.REPLAYS_ROUTING and batch.routed_experts is not None:  # replayed, or watched (RoutingWatch)
                 mb["routed_experts"] = batch.routed_experts[idx, : width - 1]
+                fed = torch.arange(width - 1) < (batch.lengths[idx, None] - 1)
+                mb["route_rows"] = torch.where(fed, idx[:, None], -1)
             for name, value in per_token.items():
                 if value is not None:
                     mb[name] = value[idx] if value.dim() == 1 else value[idx, : width - 1]
@@ -235,10 +239,30 @@ class Actor:
             all_reduce(whole, ps.get_data_parallel_group())  # each row is set on one DP rank
         return whole
 
+    def _whole_routing_counts(self, counts: torch.Tensor, shard: TrainBatch, batch: TrainBatch) -> torch.Tensor:
+        """A RoutingWatch's per-row counts summed over the ranks that route a row's tokens (TP
+        ranks under sequence parallelism, pipeline stages: their layers), then as
+        `_gather_per_token` places rows."""
+        from megatron.core import parallel_state as ps
+
+        if self.parallel.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+            all_reduce(counts, ps.get_tensor_model_parallel_group())
+        if self.pp_size > 1:
+            all_reduce(counts, ps.get_pipeline_model_parallel_group())
+        if batch.is_shard:
+            return counts
+        whole = torch.zeros(batch.size, 2, dtype=counts.dtype)
+        whole[shard.positions()] = counts
+        if self.dp_size > 1:
+            all_reduce(whole, ps.get_data_parallel_group())
+        return whole
+
     def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False,
-                         with_entropy: bool = True) -> dict[str, torch.Tensor]:
+                         with_entropy: bool = True, watch_routing: bool = False) -> dict[str, torch.Tensor]:
         """Per-token logprobs (and entropy) of the batch's targets: [N, L-1] on every rank for a
-        whole batch, the shard's rows for a shard."""
+        whole batch, the shard's rows for a shard. `watch_routing` (an MoE batch with the
+        engines' routes): also "routing", per row (decisions where the model's own top-k
+        differs from the engine's, decisions), over every layer and fed token."""
         chunks = self.reference if reference else self.model
         if chunks is None:
             raise RuntimeError("no reference model: the algorithm uses no KL loss")
@@ -258,10 +282,13 @@ class Actor:
 
         for chunk in chunks:
             chunk.eval()
-        with torch.no_grad():
+        watch = RoutingWatch(chunks, shard.size) if watch_routing else contextlib.nullcontext()
+        with torch.no_grad(), watch:
             if micro := self._forward_micro_batches(shard):
                 run_schedule(chunks, micro, keep, forward_only=True)
         out = {"logprobs": self._gather_per_token(logprobs, shard, batch)}
+        if watch_routing:
+            out["routing"] = self._whole_routing_counts(watch.counts, shard, batch)
         if with_entropy:
             out["entropy"] = self._gather_per_token(entropy, shard, batch)
         return out

@@ -77,15 +77,18 @@ def rollout_logprob_gap(actor_logprobs: torch.Tensor, rollout_logprobs: torch.Te
 
 
 def mismatch_by_turn(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                     step_index: torch.Tensor, dropped: torch.Tensor | None = None, *,
-                     over_data_parallel: bool = False) -> dict[str, float]:
+                     step_index: torch.Tensor, dropped: torch.Tensor | None = None,
+                     routing: torch.Tensor | None = None, *, over_data_parallel: bool = False) -> dict[str, float]:
     """Engine against trainer per step of the episode (collective with `over_data_parallel`).
 
     For the response tokens of the samples at step k, with r = exp(old - rollout):
     `mismatch/turn_k/kl_k3`, the mean of r - 1 - log r (KL(engine || trainer) estimated on the
     engine's samples); `mismatch/turn_k/max_abs_diff`, the largest |old - rollout|; and, given
-    `dropped` (the tokens a rollout mask drops), `mismatch/turn_k/masked_fraction`. Then
-    `mismatch/kl_k3` over all steps. Steps no sample reached are left out.
+    `dropped` (the tokens a rollout mask drops), `mismatch/turn_k/masked_fraction`; given
+    `routing` (per sample: MoE decisions where the trainer's own top-k differs from the
+    engine's, decisions; RoutingWatch), `mismatch/turn_k/routing_disagreement`. Then
+    `mismatch/kl_k3` (and `mismatch/routing_disagreement`) over all steps. Steps no sample
+    reached are left out.
     """
     on = response_mask.bool()
     log_r = (old_logprobs.double() - rollout_logprobs.double()).masked_fill(~on, 0.0)
@@ -94,11 +97,13 @@ def mismatch_by_turn(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     if over_data_parallel:
         turns = int(_over_data_parallel(torch.tensor([turns], dtype=torch.float64), "max")[0])
     steps = step_index.long()
-    sums = torch.zeros(turns, 3, dtype=torch.float64)  # k3, tokens, dropped tokens
+    sums = torch.zeros(turns, 5, dtype=torch.float64)  # k3, tokens, dropped tokens, routing differ, decisions
     sums[:, 0].index_add_(0, steps, k3.sum(-1))
     sums[:, 1].index_add_(0, steps, on.sum(-1).double())
     if dropped is not None:
         sums[:, 2].index_add_(0, steps, (dropped.bool() & on).sum(-1).double())
+    if routing is not None:
+        sums[:, 3:].index_add_(0, steps, routing.double())
     worst = torch.zeros(turns, dtype=torch.float64)
     per_sample = log_r.abs().amax(-1) if log_r.numel() else torch.zeros(len(steps), dtype=torch.float64)
     for k in steps.unique().tolist():
@@ -113,8 +118,12 @@ def mismatch_by_turn(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         out[f"mismatch/turn_{k}/max_abs_diff"] = float(worst[k])
         if dropped is not None:
             out[f"mismatch/turn_{k}/masked_fraction"] = float(sums[k, 2] / sums[k, 1])
+        if routing is not None and sums[k, 4] > 0:
+            out[f"mismatch/turn_{k}/routing_disagreement"] = float(sums[k, 3] / sums[k, 4])
     if sums[:, 1].sum() > 0:
         out["mismatch/kl_k3"] = float(sums[:, 0].sum() / sums[:, 1].sum())
+    if routing is not None and sums[:, 4].sum() > 0:
+        out["mismatch/routing_disagreement"] = float(sums[:, 3].sum() / sums[:, 4].sum())
     return out
 
 
@@ -175,9 +184,9 @@ def batch_rollout_gap(batch, prefix: str) -> dict[str, float]:
     return {prefix + key.removeprefix("check/"): value for key, value in gap.items()}
 
 
-def batch_mismatch_by_turn(batch, algorithm) -> dict[str, float]:
+def batch_mismatch_by_turn(batch, algorithm, routing: torch.Tensor | None = None) -> dict[str, float]:
     """`mismatch_by_turn` of `batch.old_logprobs` against the engines' over the whole batch
-    (collective), with the tokens `algorithm.rollout_mask` drops."""
+    (collective), with the tokens `algorithm.rollout_mask` drops and the `routing` counts."""
     from megatron_agent.algorithms.losses import rollout_correction_weights
 
     dropped = None
@@ -187,4 +196,4 @@ def batch_mismatch_by_turn(batch, algorithm) -> dict[str, float]:
                                              mask_high=algorithm.rollout_mask_high)
         dropped = kept == 0
     return mismatch_by_turn(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, batch.step_index,
-                            dropped, over_data_parallel=batch.is_shard)
+                            dropped, routing, over_data_parallel=batch.is_shard)

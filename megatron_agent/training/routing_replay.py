@@ -18,6 +18,9 @@ never through `RouterReplay`'s class-wide list (every model built in the process
     arm(chunk, routes)      # before a micro-batch's forward: [b, s, layers, k] ids (None: natural)
     forward_done(chunk)     # after it: recomputation in backward pops the queue
     disarm(chunks)          # after the schedule: natural routing again
+
+`RoutingWatch` counts, per sample, the decisions where the trainer's own top-k differs from
+the engine's, replayed or not (a model built without replay takes the routes only for it).
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from __future__ import annotations
 import torch
 
 
-def replaying_routers(chunk) -> dict[int, object]:
-    """This chunk's TopKRouters that can replay, by global 0-based layer index."""
+def routers(chunk, replaying: bool = False) -> dict[int, object]:
+    """This chunk's TopKRouters (with `replaying`, those that can replay) by global 0-based layer."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     return {router.layer_number - 1: router for router in chunk.modules()
-            if isinstance(router, TopKRouter) and router.router_replay is not None}
+            if isinstance(router, TopKRouter) and (router.router_replay is not None or not replaying)}
+
+
+def replaying_routers(chunk) -> dict[int, object]:
+    return routers(chunk, replaying=True)
 
 
 def pad_routes(routes: torch.Tensor, width: int) -> torch.Tensor:
@@ -43,44 +50,52 @@ def pad_routes(routes: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([routes, filler], dim=1)
 
 
+def in_router_order(grid: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1,
+                    sequence_parallel: bool = False) -> torch.Tensor:
+    """A [b, s, ...] grid in a router's token order, [tokens, ...]: its input is [s, b, h]
+    flattened s-major, and under sequence parallelism TP rank r holds the contiguous s-block r
+    of s / tp_size."""
+    grid = grid.transpose(0, 1)  # [s, b, ...]
+    if sequence_parallel and tp_size > 1:
+        block = grid.shape[0] // tp_size
+        grid = grid[tp_rank * block:(tp_rank + 1) * block]
+    return grid.reshape(-1, *grid.shape[2:])
+
+
 def router_ids(routes: torch.Tensor, layer: int, *, tp_rank: int = 0, tp_size: int = 1,
                sequence_parallel: bool = False) -> torch.Tensor:
-    """The int64 [tokens, k] a router of layer `layer` routes, from [b, s, layers, k] ids, in
-    the router's token order: its input is [s, b, h] flattened s-major, and under sequence
-    parallelism TP rank r holds the contiguous s-block r of s / tp_size."""
-    ids = routes[:, :, layer, :].transpose(0, 1)  # [s, b, k]
-    if sequence_parallel and tp_size > 1:
-        block = ids.shape[0] // tp_size
-        ids = ids[tp_rank * block:(tp_rank + 1) * block]
-    return ids.reshape(-1, ids.shape[-1]).long()
+    """The int64 [tokens, k] a router of layer `layer` routes, from [b, s, layers, k] ids."""
+    return in_router_order(routes[:, :, layer, :], tp_rank=tp_rank, tp_size=tp_size,
+                           sequence_parallel=sequence_parallel).long()
 
 
-def arm(chunk, routes: torch.Tensor | None) -> None:
-    """Set this micro-batch's target ids on every replaying router of `chunk` (REPLAY_FORWARD);
-    with no routes, route naturally (what is queued for backward stays)."""
+def arm(chunk, routes: torch.Tensor | None, rows: torch.Tensor | None = None) -> None:
+    """Before a micro-batch's forward. A model built for replay routes by `routes` ([b, s,
+    layers, k] engine ids; REPLAY_FORWARD), or naturally without them (what is queued for
+    backward stays). Every router also keeps its slice of the routes and of `rows` ([b, s]:
+    each token's shard row, -1 where no token was fed) for a `RoutingWatch`."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunk)
-    if not config.moe_enable_routing_replay:
-        if routes is not None:
-            raise ValueError("routed_experts given to a model built without routing replay "
-                             "(algorithm.routing_replay)")
-        return
-    routers = replaying_routers(chunk)
     if routes is None:
-        for router in routers.values():
+        for router in replaying_routers(chunk).values():
             router.router_replay.clear_router_replay_action()
         return
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    for layer, router in routers.items():
+    if config.num_moe_experts is None:
+        raise ValueError("routed_experts given to a model without experts")
+    order = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                 sequence_parallel=config.sequence_parallel)
+    token_rows = None if rows is None else in_router_order(rows.cpu(), **order)
+    for layer, router in routers(chunk).items():
         if layer >= routes.shape[2]:
             raise ValueError(f"routes for {routes.shape[2]} layers, the model routes layer {layer}")
-        ids = router_ids(routes, layer, tp_rank=tp_rank, tp_size=tp_size,
-                         sequence_parallel=config.sequence_parallel)
-        router.router_replay.set_target_indices(ids)
-        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        ids = router_ids(routes, layer, **order)
+        router.engine_routes = (ids, token_rows)
+        if router.router_replay is not None:
+            router.router_replay.set_target_indices(ids)
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def forward_done(chunk) -> None:
@@ -94,6 +109,45 @@ def forward_done(chunk) -> None:
 def disarm(chunks) -> None:
     """Natural routing again, nothing queued."""
     for chunk in chunks:
-        for router in replaying_routers(chunk).values():
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+        for router in routers(chunk).values():
+            router.engine_routes = None
+            if router.router_replay is not None:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+
+
+class RoutingWatch:
+    """While active (`with`), each router compares its own top-k (by its weights) with the
+    engine's ids of every fed token it routes: `counts[row]` = (decisions that differ,
+    decisions) per shard row, summed over this rank's layers and tokens. A router that
+    replays must also have routed exactly by the engine's ids: otherwise RuntimeError."""
+
+    def __init__(self, chunks, rows: int):
+        self.counts = torch.zeros(rows, 2, dtype=torch.float64)
+        self.hooks = [router.register_forward_hook(self._compare)
+                      for chunk in chunks for router in routers(chunk).values()]
+
+    def __enter__(self) -> RoutingWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    @torch.no_grad()
+    def _compare(self, router, inputs, output) -> None:
+        engine, rows = getattr(router, "engine_routes", None) or (None, None)
+        if engine is None or rows is None:
+            return
+        fed = rows >= 0
+        engine = engine.to(output[1].device)
+        own = router.gating(inputs[0]).reshape(-1, router.config.num_moe_experts).topk(engine.shape[1]).indices
+        differ = (own.sort(-1).values != engine.sort(-1).values).any(-1).cpu()
+        self.counts.index_add_(0, rows[fed], torch.stack([differ[fed].double(), torch.ones(int(fed.sum()),
+                                                          dtype=torch.float64)], dim=1))
+        if router.router_replay is not None:
+            used = torch.zeros_like(output[1]).scatter(1, engine, True)
+            otherwise = int(((used != output[1]).any(-1).cpu() & fed).sum())
+            if otherwise:
+                raise RuntimeError(f"layer {router.layer_number}: {otherwise} replayed decisions did not follow "
+                                   "the engine's experts")

@@ -106,8 +106,11 @@ def _forward_step(loss_fn: LossFn, multiple: int, data_iterator, model):
     images = {k: micro_batch[k] for k in VISION_INPUTS if k in micro_batch}
     if "image_mask" in images:  # the padding columns are text
         images["image_mask"] = torch.nn.functional.pad(images["image_mask"], (0, width - columns), value=False)
-    routes = micro_batch.get("routed_experts")
-    routing_replay.arm(model, None if routes is None else routing_replay.pad_routes(routes, width))
+    routes, rows = micro_batch.get("routed_experts"), micro_batch.get("route_rows")
+    if routes is not None:
+        routes = routing_replay.pad_routes(routes, width)
+        rows = None if rows is None else torch.nn.functional.pad(rows, (0, width - columns), value=-1)
+    routing_replay.arm(model, routes, rows)
     output = model(input_ids, positions, attention_mask=None, labels=labels, **images)
     if routes is not None:
         routing_replay.forward_done(model)

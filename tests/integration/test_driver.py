@@ -49,10 +49,11 @@ def test_a_weight_sync_that_did_not_land_fails_the_run_at_the_next_check(tmp_pat
 
     # On the tiny MoE with routing replay from the rollout: in fp32 the engine's routes are the
     # trainer's own, so a route placed on the wrong token, layer or sample would move iteration
-    # 0's logprobs off the engine's (by ~1e-2) and fail its check. And with the sequence-level
-    # rollout corrections on.
+    # 0's logprobs off the engine's (by ~1e-2) and fail its check, and the routing watch of the
+    # old-logprob pass (two epochs) finds the trainer's own routing the engine's. And with the
+    # sequence-level rollout corrections on.
     common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=3", "iterations=3", "val_every=0",
-              "model=tiny-moe", "algorithm.routing_replay=rollout",
+              "model=tiny-moe", "algorithm.routing_replay=rollout", "actor.ppo_epochs=2",
               "algorithm.tis_cap=2.0", "algorithm.tis_level=sequence", "algorithm.rollout_mask=sequence"]
     with pytest.raises(RankFailed, match=r"(?s)differ from the rollout engine's.*iteration 1, served weights"):
         run_on_ranks(_run_with_syncs_that_do_not_land, 1, [f"run_dir={tmp_path}", *common], timeout_s=300)
@@ -60,6 +61,7 @@ def test_a_weight_sync_that_did_not_land_fails_the_run_at_the_next_check(tmp_pat
     assert [row["iteration"] for row in rows] == [0]  # the first iteration served the trained weights
     assert rows[0]["check/rollout_logprob_mean_abs_diff"] < 1e-5
     assert json.loads((tmp_path / "config.json").read_text())["engine"]["return_routed_experts"] is True
+    assert rows[0]["mismatch/routing_disagreement"] == 0.0 and rows[0]["mismatch/turn_0/routing_disagreement"] == 0.0
     # the same weights on both sides: every sequence's ratio is 1 to fp32, nothing cut or dropped
     assert rows[0]["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert rows[0]["rollout_correction/masked_fraction"] == 0.0

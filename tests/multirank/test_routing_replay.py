@@ -5,6 +5,8 @@ The routes are drawn at random (two distinct experts of four per token and layer
 differ from the model's natural top-2: a trainer that ignored them, or gave a router another
 token's ids, would compute other logprobs. One 2-rank job runs every layout on one batch:
 - every router's routing map is exactly the given ids, on every rank (a forward hook);
+- the routing watch counts, per sample, the decisions the trainer's own top-k would make
+  otherwise, as transformers' routers on the same forced pass count them;
 - the logprobs equal transformers' teacher-forced ones with the same forced routes (1e-4),
   and TP=1's at TP=2 + SP + EP=2 and PP=2 (1e-5);
 - one update gives TP=1's new weights at the other layouts (1e-5).
@@ -75,13 +77,14 @@ def _worker(model_dir: str) -> dict:
         hooks = [m.register_forward_hook(compare) for chunk in actor.chunks for m in chunk.modules()
                  if isinstance(m, TopKRouter)]
         batch = _batch(hf)
-        logprobs = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
+        out = actor.compute_logprobs(batch, with_entropy=False, watch_routing=True)
+        logprobs = out["logprobs"]
         batch.old_logprobs = logprobs
         actor.update(batch)
         for hook in hooks:
             hook.remove()
         results[_layout_name(layout)] = {
-            "logprobs": logprobs, **counts,
+            "logprobs": logprobs, "routing": out["routing"], **counts,
             "weights": {k: v.clone() for k, v in actor.named_hf_weights()}}
         del actor
         destroy_model_parallel()
@@ -94,19 +97,25 @@ def replay_results(tiny_model_dir):
     return model_dir, run_on_ranks(_worker, 2, str(model_dir), timeout_s=600)
 
 
-def _forced_routes_logprobs(model_dir, batch) -> torch.Tensor:
+def _forced_routes_logprobs(model_dir, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' teacher-forced logprobs with every router returning the batch's ids
-    (scores: the softmax over all experts at those ids, renormalised, as norm_topk_prob)."""
+    (scores: the softmax over all experts at those ids, renormalised, as norm_topk_prob), and
+    per sample the fed tokens' (token, layer) decisions where the router's own top-k differs."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     routes = batch.routed_experts.long()  # [N, L-1, layers, k]
+    n, width = routes.shape[:2]
+    fed = torch.arange(width) < (batch.lengths[:, None] - 1)
+    differ = torch.zeros(n)
 
     def forced(layer):
         def forward(hidden_states):
             gate = model.model.layers[layer].mlp.gate
             logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
             ids = routes[:, :, layer].reshape(-1, routes.shape[-1])
+            own = logits.topk(ids.shape[1], dim=-1).indices
+            differ.add_(((own.sort(-1).values != ids.sort(-1).values).any(-1).reshape(n, width) & fed).sum(-1))
             scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
             return logits, scores / scores.sum(-1, keepdim=True), ids
         return forward
@@ -115,7 +124,7 @@ def _forced_routes_logprobs(model_dir, batch) -> torch.Tensor:
         block.mlp.gate.forward = forced(layer)
     with torch.no_grad():
         logits = model(batch.tokens[:, :-1]).logits / TEMPERATURE
-    return torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    return torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0], differ
 
 
 def test_replayed_routing_is_the_engines_on_every_token_and_layer(replay_results):
@@ -131,7 +140,7 @@ def test_replayed_logprobs_match_transformers_with_the_same_routes_at_every_layo
     model_dir, per_rank = replay_results
     batch = _batch(read_hf_config(model_dir))
     mask = batch.response_mask.bool()
-    forced = _forced_routes_logprobs(model_dir, batch)
+    forced, differ = _forced_routes_logprobs(model_dir, batch)
     reference = per_rank[0]["tp=1"]["logprobs"]
     assert (reference - forced)[mask].abs().max() < 1e-4
     from transformers import AutoModelForCausalLM
@@ -158,3 +167,22 @@ def test_an_update_with_replay_matches_tp1_at_every_layout(replay_results):
             merged.update(rank[_layout_name(layout)]["weights"])
         assert merged.keys() == reference.keys()
         assert max(float((merged[k] - reference[k]).abs().max()) for k in merged) < 1e-5, layout
+
+
+def test_the_routing_watch_counts_what_transformers_counts_at_every_layout(replay_results):
+    """Per sample, the decisions where the trainer's own top-k differs from the given routes
+    (most of them: the routes are random), against transformers' routers on the same forced
+    pass; summed over the ranks that route a sample's tokens, the same at every layout."""
+    from megatron_agent.models import read_hf_config
+
+    model_dir, per_rank = replay_results
+    hf = read_hf_config(model_dir)
+    batch = _batch(hf)
+    _, differ = _forced_routes_logprobs(model_dir, batch)
+    decisions = (batch.lengths - 1).double() * hf["num_hidden_layers"]
+    assert 0 < differ.sum() < decisions.sum()
+    for name in ["tp=1"] + [_layout_name(layout) for layout in LAYOUTS]:
+        for rank in per_rank:
+            routing = rank[name]["routing"]
+            assert torch.equal(routing[:, 1], decisions), name
+            assert torch.equal(routing[:, 0], differ.double()), name

@@ -82,3 +82,9 @@ def test_mismatch_by_turn_by_hand():
     assert got["mismatch/kl_k3"] == pytest.approx(sum(map(_k3, step0 + [0.5])) / 5, rel=1e-5)
     assert not any(key.startswith("mismatch/turn_1/") for key in got)
     assert "mismatch/turn_0/masked_fraction" not in mismatch_by_turn(old, old - log_r, mask, torch.tensor([0, 2, 0]))
+    # MoE routing: per sample (decisions unlike the engine's, decisions) -> per step
+    routing = torch.tensor([[1.0, 10.0], [4.0, 8.0], [0.0, 6.0]])
+    got = mismatch_by_turn(old, old - log_r, mask, torch.tensor([0, 2, 0]), routing=routing)
+    assert got["mismatch/turn_0/routing_disagreement"] == pytest.approx(1 / 16)
+    assert got["mismatch/turn_2/routing_disagreement"] == pytest.approx(4 / 8)
+    assert got["mismatch/routing_disagreement"] == pytest.approx(5 / 24)

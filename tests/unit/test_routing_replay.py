@@ -48,3 +48,12 @@ def test_replay_needs_an_moe_model():
     hf = dict(hf_config_for("qwen3"), model_type="qwen3")
     with pytest.raises(ValueError, match="routing replay needs an MoE model"):
         transformer_config_from_hf(hf, ParallelConfig(), routing_replay=True)
+
+
+def test_routes_are_asked_of_an_moe_model_only():
+    from megatron_agent.run_config import ConfigError, load_run_config
+
+    for setting in ("algorithm.routing_replay=rollout", "engine.return_routed_experts=true"):
+        with pytest.raises(ConfigError, match=f"{setting}.*has no experts"):
+            load_run_config([setting])
+    assert load_run_config(["model=tiny-moe", "algorithm.routing_replay=rollout"]).engine.return_routed_experts
