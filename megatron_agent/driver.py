@@ -147,10 +147,11 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
             with phase("logprobs"):
                 quantized = config.weight_sync.quantize
                 # quantized rollouts: the whole batch's gap every iteration, from the old logprobs
-                routing = None  # MoE with the engines' routes: where the trainer's own routing differs
+                old, routing = {}, None  # routing: MoE with the engines' routes, where the trainer's differs
                 if config.actor.ppo_epochs > 1 or config.actor.num_mini_batches > 1 or quantized:
                     old = actor.compute_logprobs(batch, with_entropy=False,
-                                                 watch_routing=batch.routed_experts is not None)
+                                                 watch_routing=batch.routed_experts is not None,
+                                                 record_routing=config.algorithm.routing_replay == "recompute")
                     batch.old_logprobs, routing = old["logprobs"], old.get("routing")
                 # served vs trained compares the same weights: not for a rollout done ahead
                 checked = (served_vs_trained(actor, batch, config.check, config.actor.params_dtype, iteration,
@@ -163,6 +164,8 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
                 if actor.reference is not None:  # built for an active KL loss only
                     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True,
                                                                 with_entropy=False)["logprobs"]
+                if "routes" in old:  # R2: the update routes as the old policy did (the reference did not)
+                    batch.routed_experts = old["routes"]
 
             with phase("update"):
                 metrics = {**checked, **actor.update(batch)}

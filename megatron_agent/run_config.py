@@ -299,6 +299,10 @@ def validate_routing_replay(run: RunConfig) -> None:
     model's routing."""
     if run.algorithm.routing_replay == "none" and not run.engine.return_routed_experts:
         return
+    if run.algorithm.routing_replay == "recompute" and run.actor.ppo_epochs == 1 and run.actor.num_mini_batches == 1:
+        raise ConfigError("algorithm.routing_replay=recompute replays the old-logprob pass's routing in the "
+                          "updates after it; with actor.ppo_epochs=1 and actor.num_mini_batches=1 the one update "
+                          "routes as that pass did anyway (set more epochs or mini-batches, or routing_replay=none)")
     from megatron_agent.models.transformer_config import num_experts
 
     hf = model_hf_config(run)

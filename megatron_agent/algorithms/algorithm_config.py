@@ -20,7 +20,7 @@ from megatron_agent.algorithms.losses import (
     ROLLOUT_MASKS,
 )
 
-ROUTING_REPLAY_MODES = ("none", "rollout")  # training/routing_replay.py
+ROUTING_REPLAY_MODES = ("none", "rollout", "recompute")  # training/routing_replay.py
 
 
 @dataclass
@@ -51,7 +51,8 @@ class AlgorithmConfig:
     rollout_mask: str = "none"  # none | token | sequence (geometric mean of r): drop what leaves [low, high]
     rollout_mask_low: float = 0.5
     rollout_mask_high: float = 2.0  # IcePop: rollout_mask=token with tis_cap >= rollout_mask_high
-    # MoE: none | rollout (R3: every forward routes by the engines' expert ids)
+    # MoE: none | rollout (R3: every forward routes by the engines' expert ids) | recompute
+    # (R2: the update routes by the experts the old-logprob pass chose)
     routing_replay: str = "none"
     entropy_coef: float = 0.001
     # KL to the reference policy, a loss term (see kl_loss_active)

@@ -35,14 +35,14 @@ from megatron_agent.models.bridge import export_hf_weights, load_hf_weights, pac
 from megatron_agent.models.builder import build_model
 from megatron_agent.models.checkpoint import DTYPES, copy_hf_side_files, model_state, read_mcore_metadata
 from megatron_agent.models.families import family_of
-from megatron_agent.models.transformer_config import read_hf_config
+from megatron_agent.models.transformer_config import num_experts, read_hf_config
 from megatron_agent.platform.collectives import all_reduce, broadcast
 from megatron_agent.platform.distributed import control_group
 from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.adam_steps import adam_steps, materialize_adam_state, set_adam_steps
 from megatron_agent.training.batch import TrainBatch, micro_batch_images, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_logprobs, token_logprobs_and_entropy
-from megatron_agent.training.routing_replay import RoutingWatch
+from megatron_agent.training.routing_replay import RoutingRecord, RoutingWatch, finished_routes
 from megatron_agent.training.schedule import (
     attach_grad_finalization,
     layout_multiple,
@@ -113,7 +113,7 @@ class Actor:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         dtype = DTYPES[config.params_dtype]
-        self.replays_routing = self.REPLAYS_ROUTING and algorithm.routing_replay == "rollout"
+        self.replays_routing = self.REPLAYS_ROUTING and algorithm.routing_replay != "none"
         build = dict(params_dtype=dtype, layer_spec=config.layer_spec, fp8_recipe=config.fp8_recipe,
                      init_weights=False, routing_replay=self.replays_routing)
 
@@ -184,11 +184,12 @@ class Actor:
             }
             if batch.has_images or "vision_config" in self.hf:
                 mb.update(micro_batch_images(batch, idx, mb["input_ids"], self.hf))
-            if self.replays_routing and batch.routed_experts is None:
+            if self.algorithm.routing_replay == "rollout" and self.replays_routing and batch.routed_experts is None:
                 raise ValueError("algorithm.routing_replay=rollout: the batch carries no routed_experts "
                                  "(the engines' expert ids)")
             if self.REPLAYS_ROUTING and batch.routed_experts is not None:  # replayed, or watched (RoutingWatch)
                 mb["routed_experts"] = batch.routed_experts[idx, : width - 1]
+            if self.REPLAYS_ROUTING and num_experts(self.hf):  # each token's place, for RoutingWatch / RoutingRecord
                 fed = torch.arange(width - 1) < (batch.lengths[idx, None] - 1)
                 mb["route_rows"] = torch.where(fed, idx[:, None], -1)
             for name, value in per_token.items():
@@ -239,30 +240,36 @@ class Actor:
             all_reduce(whole, ps.get_data_parallel_group())  # each row is set on one DP rank
         return whole
 
-    def _whole_routing_counts(self, counts: torch.Tensor, shard: TrainBatch, batch: TrainBatch) -> torch.Tensor:
-        """A RoutingWatch's per-row counts summed over the ranks that route a row's tokens (TP
-        ranks under sequence parallelism, pipeline stages: their layers), then as
-        `_gather_per_token` places rows."""
+    def _over_routing_ranks(self, rows: torch.Tensor, shard: TrainBatch, batch: TrainBatch) -> torch.Tensor:
+        """Per-row routing figures (RoutingWatch, RoutingRecord) summed over the ranks that route
+        a row's tokens (TP ranks under sequence parallelism; pipeline stages, their layers),
+        then placed as `_gather_per_token` places rows (a whole batch: every DP rank's)."""
         from megatron.core import parallel_state as ps
 
         if self.parallel.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
-            all_reduce(counts, ps.get_tensor_model_parallel_group())
+            all_reduce(rows, ps.get_tensor_model_parallel_group())
         if self.pp_size > 1:
-            all_reduce(counts, ps.get_pipeline_model_parallel_group())
+            all_reduce(rows, ps.get_pipeline_model_parallel_group())
         if batch.is_shard:
-            return counts
-        whole = torch.zeros(batch.size, 2, dtype=counts.dtype)
-        whole[shard.positions()] = counts
+            return rows
+        shape = [batch.size, *rows.shape[1:]]
+        if rows.dim() > 2:  # per token: the whole batch's columns
+            shape[1] = batch.tokens.shape[1] - 1
+        whole = torch.zeros(shape, dtype=rows.dtype)
+        whole[shard.positions(), : rows.shape[1]] = rows
         if self.dp_size > 1:
             all_reduce(whole, ps.get_data_parallel_group())
         return whole
 
     def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False,
-                         with_entropy: bool = True, watch_routing: bool = False) -> dict[str, torch.Tensor]:
+                         with_entropy: bool = True, watch_routing: bool = False,
+                         record_routing: bool = False) -> dict[str, torch.Tensor]:
         """Per-token logprobs (and entropy) of the batch's targets: [N, L-1] on every rank for a
         whole batch, the shard's rows for a shard. `watch_routing` (an MoE batch with the
         engines' routes): also "routing", per row (decisions where the model's own top-k
-        differs from the engine's, decisions), over every layer and fed token."""
+        differs from the engine's, decisions), over every layer and fed token.
+        `record_routing` (MoE): also "routes", the experts this pass routed every fed token
+        to, [N, L-1, layers, k] as `TrainBatch.routed_experts` (routing_replay=recompute)."""
         chunks = self.reference if reference else self.model
         if chunks is None:
             raise RuntimeError("no reference model: the algorithm uses no KL loss")
@@ -283,12 +290,18 @@ class Actor:
         for chunk in chunks:
             chunk.eval()
         watch = RoutingWatch(chunks, shard.size) if watch_routing else contextlib.nullcontext()
-        with torch.no_grad(), watch:
+        record = (RoutingRecord(chunks, shard.size, shard.tokens.shape[1] - 1, self.hf["num_hidden_layers"],
+                                self.hf["num_experts_per_tok"]) if record_routing else contextlib.nullcontext())
+        with torch.no_grad(), watch, record:
             if micro := self._forward_micro_batches(shard):
                 run_schedule(chunks, micro, keep, forward_only=True)
         out = {"logprobs": self._gather_per_token(logprobs, shard, batch)}
         if watch_routing:
-            out["routing"] = self._whole_routing_counts(watch.counts, shard, batch)
+            out["routing"] = self._over_routing_ranks(watch.counts, shard, batch)
+        if record_routing:
+            out["routes"] = finished_routes(self._over_routing_ranks(record.routes, shard, batch),
+                                            self._over_routing_ranks(record.written, shard, batch),
+                                            num_experts(self.hf))
         if with_entropy:
             out["entropy"] = self._gather_per_token(entropy, shard, batch)
         return out

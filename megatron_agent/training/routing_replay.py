@@ -71,29 +71,38 @@ def router_ids(routes: torch.Tensor, layer: int, *, tp_rank: int = 0, tp_size: i
 
 def arm(chunk, routes: torch.Tensor | None, rows: torch.Tensor | None = None) -> None:
     """Before a micro-batch's forward. A model built for replay routes by `routes` ([b, s,
-    layers, k] engine ids; REPLAY_FORWARD), or naturally without them (what is queued for
-    backward stays). Every router also keeps its slice of the routes and of `rows` ([b, s]:
-    each token's shard row, -1 where no token was fed) for a `RoutingWatch`."""
+    layers, k] ids; REPLAY_FORWARD), or naturally without them (what is queued for backward
+    stays). Every router also keeps, in its token order, its layer's ids and each token's
+    place (`rows` [b, s]: the token's shard row, -1 where no token was fed; and its column)
+    for a `RoutingWatch` or a `RoutingRecord`."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunk)
-    if routes is None:
-        for router in replaying_routers(chunk).values():
-            router.router_replay.clear_router_replay_action()
-        return
     if config.num_moe_experts is None:
-        raise ValueError("routed_experts given to a model without experts")
+        if routes is not None:
+            raise ValueError("routed_experts given to a model without experts")
+        return
     order = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
                  sequence_parallel=config.sequence_parallel)
-    token_rows = None if rows is None else in_router_order(rows.cpu(), **order)
+    places = (None, None)
+    if rows is not None:
+        rows = rows.cpu()
+        columns = torch.arange(rows.shape[1]).expand_as(rows)
+        places = (in_router_order(rows, **order), in_router_order(columns, **order))
     for layer, router in routers(chunk).items():
-        if layer >= routes.shape[2]:
-            raise ValueError(f"routes for {routes.shape[2]} layers, the model routes layer {layer}")
-        ids = router_ids(routes, layer, **order)
-        router.engine_routes = (ids, token_rows)
-        if router.router_replay is not None:
+        ids = None
+        if routes is not None:
+            if layer >= routes.shape[2]:
+                raise ValueError(f"routes for {routes.shape[2]} layers, the model routes layer {layer}")
+            ids = router_ids(routes, layer, **order)
+        router.routed_tokens = (ids, *places)
+        if router.router_replay is None:
+            continue
+        if ids is None:
+            router.router_replay.clear_router_replay_action()
+        else:
             router.router_replay.set_target_indices(ids)
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
@@ -110,7 +119,7 @@ def disarm(chunks) -> None:
     """Natural routing again, nothing queued."""
     for chunk in chunks:
         for router in routers(chunk).values():
-            router.engine_routes = None
+            router.routed_tokens = None
             if router.router_replay is not None:
                 router.router_replay.clear_indices()
                 router.router_replay.clear_router_replay_action()
@@ -136,7 +145,7 @@ class RoutingWatch:
 
     @torch.no_grad()
     def _compare(self, router, inputs, output) -> None:
-        engine, rows = getattr(router, "engine_routes", None) or (None, None)
+        engine, rows, _ = getattr(router, "routed_tokens", None) or (None, None, None)
         if engine is None or rows is None:
             return
         fed = rows >= 0
@@ -151,3 +160,42 @@ class RoutingWatch:
             if otherwise:
                 raise RuntimeError(f"layer {router.layer_number}: {otherwise} replayed decisions did not follow "
                                    "the engine's experts")
+
+
+class RoutingRecord:
+    """While active (`with`), each router writes the experts it routes every fed token to into
+    `routes` [rows, columns, layers, k] int32, and marks the place in `written` (this rank's
+    tokens and layers: sum both over the ranks that hold the others, then `finished`)."""
+
+    def __init__(self, chunks, rows: int, columns: int, layers: int, k: int):
+        self.routes = torch.zeros(rows, columns, layers, k, dtype=torch.int32)
+        self.written = torch.zeros(rows, columns, layers, dtype=torch.int32)
+        self.hooks = [router.register_forward_hook(self._keep)
+                      for chunk in chunks for router in routers(chunk).values()]
+
+    def __enter__(self) -> RoutingRecord:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    @torch.no_grad()
+    def _keep(self, router, _inputs, output) -> None:
+        _, rows, columns = getattr(router, "routed_tokens", None) or (None, None, None)
+        if rows is None:
+            return
+        fed = rows >= 0
+        k = self.routes.shape[-1]
+        ids = output[1].float().topk(k, dim=-1).indices.cpu()  # the k experts of each token's routing map
+        layer = router.layer_number - 1
+        self.routes[rows[fed], columns[fed], layer] = ids[fed].int()
+        self.written[rows[fed], columns[fed], layer] = 1
+
+
+def finished_routes(routes: torch.Tensor, written: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Recorded routes with every unwritten place routed to experts 0..k-1, in the batch's
+    dtype (uint8 up to 256 experts, else int16)."""
+    k = routes.shape[-1]
+    routes = torch.where(written[..., None] > 0, routes, torch.arange(k, dtype=routes.dtype))
+    return routes.to(torch.uint8 if num_experts <= 256 else torch.int16)

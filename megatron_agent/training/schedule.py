@@ -109,7 +109,8 @@ def _forward_step(loss_fn: LossFn, multiple: int, data_iterator, model):
     routes, rows = micro_batch.get("routed_experts"), micro_batch.get("route_rows")
     if routes is not None:
         routes = routing_replay.pad_routes(routes, width)
-        rows = None if rows is None else torch.nn.functional.pad(rows, (0, width - columns), value=-1)
+    if rows is not None:
+        rows = torch.nn.functional.pad(rows, (0, width - columns), value=-1)
     routing_replay.arm(model, routes, rows)
     output = model(input_ids, positions, attention_mask=None, labels=labels, **images)
     if routes is not None:

@@ -2,7 +2,8 @@
 from the block-FP8 checkpoint, every sync sends FP8, the loss is corrected by the engines'
 logprobs (here IcePop: token TIS and a token mask), and every iteration reports the
 rollout-vs-trainer logprob gap over the whole batch, within the fp8 bound of the
-served-vs-trained check, and per step of the episode."""
+served-vs-trained check, and per step of the episode. On the tiny MoE with
+routing_replay=recompute (R2): the two epochs' updates route as the old-logprob pass did."""
 
 from __future__ import annotations
 
@@ -23,14 +24,15 @@ def _fp8_iterations(model_dir: str, run_dir: str) -> list[dict]:
     config = load_run_config([f"run_dir={run_dir}", f"model_dir={model_dir}", "num_groups=2", "group_size=2",
                               "iterations=2", "loop.max_steps=3", "stop_success=null", "weight_sync.quantize=fp8",
                               "algorithm.tis_cap=1.02", "algorithm.rollout_mask=token",
-                              "algorithm.rollout_mask_low=0.98", "algorithm.rollout_mask_high=1.02"])
+                              "algorithm.rollout_mask_low=0.98", "algorithm.rollout_mask_high=1.02",
+                              "algorithm.routing_replay=recompute", "actor.ppo_epochs=2"])
     return train(config)
 
 
 def test_fp8_rollout_job_reports_the_gap_each_iteration(tiny_model_dir, tmp_path):
     from megatron_agent.training.checks import QUANTIZED_MEAN_BOUND
 
-    model_dir = tiny_model_dir("qwen3")
+    model_dir = tiny_model_dir("qwen3_moe")
     history = run_on_ranks(_fp8_iterations, 1, str(model_dir), str(tmp_path), timeout_s=300)[0]
     assert [row["iteration"] for row in history] == [0, 1]
     resolved = json.loads((tmp_path / "config.json").read_text())

@@ -9,7 +9,8 @@ token's ids, would compute other logprobs. One 2-rank job runs every layout on o
   otherwise, as transformers' routers on the same forced pass count them;
 - the logprobs equal transformers' teacher-forced ones with the same forced routes (1e-4),
   and TP=1's at TP=2 + SP + EP=2 and PP=2 (1e-5);
-- one update gives TP=1's new weights at the other layouts (1e-5).
+- one update gives TP=1's new weights at the other layouts (1e-5);
+- routing_replay=recompute's record of a pass is the model's own routing (transformers').
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def _layout_name(layout: dict) -> str:
 
 
 def _worker(model_dir: str) -> dict:
+    from dataclasses import replace
+
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_agent.algorithms import AlgorithmConfig
@@ -74,9 +77,14 @@ def _worker(model_dir: str) -> dict:
             counts["mismatches"] += int((given != output[1]).any(-1).sum())
             counts["routed"] += output[1].shape[0]
 
+        # R2's record first (the same model as R2 builds, before any update): natural routing
+        batch = _batch(hf)
+        actor.algorithm = replace(algorithm, routing_replay="recompute")
+        recorded = actor.compute_logprobs(replace(batch, routed_experts=None), with_entropy=False,
+                                          record_routing=True)["routes"]
+        actor.algorithm = algorithm
         hooks = [m.register_forward_hook(compare) for chunk in actor.chunks for m in chunk.modules()
                  if isinstance(m, TopKRouter)]
-        batch = _batch(hf)
         out = actor.compute_logprobs(batch, with_entropy=False, watch_routing=True)
         logprobs = out["logprobs"]
         batch.old_logprobs = logprobs
@@ -84,7 +92,7 @@ def _worker(model_dir: str) -> dict:
         for hook in hooks:
             hook.remove()
         results[_layout_name(layout)] = {
-            "logprobs": logprobs, "routing": out["routing"], **counts,
+            "logprobs": logprobs, "routing": out["routing"], "recorded": recorded, **counts,
             "weights": {k: v.clone() for k, v in actor.named_hf_weights()}}
         del actor
         destroy_model_parallel()
@@ -186,3 +194,28 @@ def test_the_routing_watch_counts_what_transformers_counts_at_every_layout(repla
             routing = rank[name]["routing"]
             assert torch.equal(routing[:, 1], decisions), name
             assert torch.equal(routing[:, 0], differ.double()), name
+
+
+def test_the_record_for_recompute_is_the_models_own_routing_at_every_layout(replay_results):
+    """routing_replay=recompute records what the old-logprob pass routed: before any update,
+    transformers' own top-k of the same weights, on every fed (token, layer); unfed places
+    route to 0..k-1. Assembled over TP+SP, EP and PP ranks alike."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_agent.models import read_hf_config
+
+    model_dir, per_rank = replay_results
+    batch = _batch(read_hf_config(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(batch.tokens[:, :-1], output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    n, width = batch.tokens.shape[0], batch.tokens.shape[1] - 1
+    natural = torch.stack([logits.topk(k, dim=-1).indices.reshape(n, width, k) for logits in out.router_logits], 2)
+    fed = torch.arange(width) < (batch.lengths[:, None] - 1)
+    for name in ["tp=1"] + [_layout_name(layout) for layout in LAYOUTS]:
+        for rank in per_rank:
+            recorded = rank[name]["recorded"].long()
+            assert recorded.shape == natural.shape, name
+            assert torch.equal(recorded.sort(-1).values[fed], natural.sort(-1).values[fed]), name
+            assert (recorded[~fed] == torch.arange(k)).all(), name

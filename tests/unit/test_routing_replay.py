@@ -57,3 +57,7 @@ def test_routes_are_asked_of_an_moe_model_only():
         with pytest.raises(ConfigError, match=f"{setting}.*has no experts"):
             load_run_config([setting])
     assert load_run_config(["model=tiny-moe", "algorithm.routing_replay=rollout"]).engine.return_routed_experts
+    with pytest.raises(ConfigError, match="actor.ppo_epochs=1 and actor.num_mini_batches=1"):
+        load_run_config(["model=tiny-moe", "algorithm.routing_replay=recompute"])
+    assert not load_run_config(["model=tiny-moe", "algorithm.routing_replay=recompute",
+                                "actor.ppo_epochs=2"]).engine.return_routed_experts
