@@ -1,5 +1,6 @@
-"""Routing replay for MoE (`algorithm.routing_replay: rollout`): every forward of a sample
-routes each token to the experts the rollout engine routed it to.
+"""Routing replay for MoE (`algorithm.routing_replay`): `rollout` (R3) routes every forward
+of a sample as the rollout engine routed it; `recompute` (R2) routes the updates as the
+old-logprob pass did.
 
 The engine and the trainer route some tokens to different experts (other kernels, bf16/FP8
 rounding, batch composition), so without replay the trainer's logprobs are those of another
@@ -20,7 +21,8 @@ never through `RouterReplay`'s class-wide list (every model built in the process
     disarm(chunks)          # after the schedule: natural routing again
 
 `RoutingWatch` counts, per sample, the decisions where the trainer's own top-k differs from
-the engine's, replayed or not (a model built without replay takes the routes only for it).
+the engine's, replayed or not (a model built without replay takes the routes only for it);
+`RoutingRecord` writes down the experts a pass routed each token to (R2's routes).
 """
 
 from __future__ import annotations
