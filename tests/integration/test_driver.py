@@ -136,13 +136,16 @@ def _run_killing_the_engine_after(overrides: list[str], kill_after: int) -> list
     return train(load_run_config(overrides), on_iteration=kill_engine)
 
 
-DEAD_ENGINE_SETTINGS = ["num_groups=4", "group_size=4", "stop_success=null", "seed=5", "val_every=0"]
+# two mini-batches: the data-parallel test compares its run with the same clean run
+DEAD_ENGINE_SETTINGS = ["num_groups=4", "group_size=4", "stop_success=null", "seed=5", "val_every=0",
+                        "actor.num_mini_batches=2"]
 
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory):
-    """The uninterrupted run the dead-engine tests compare with, run once for both: 4
-    iterations (a run's first iterations do not depend on how many follow them)."""
+    """The uninterrupted single-rank run the dead-engine and data-parallel tests compare with,
+    run once for them all: 4 iterations (a run's first iterations do not depend on how many
+    follow them)."""
     run_dir = tmp_path_factory.mktemp("clean")
     return run_on_ranks(_run, 1, [f"run_dir={run_dir}", "iterations=4", *DEAD_ENGINE_SETTINGS], timeout_s=300)[0]
 
@@ -203,15 +206,12 @@ def test_a_dead_engine_is_restarted_under_a_multi_rank_trainer_and_under_ray(tmp
     _same_metrics(clean, on_ray)
 
 
-def test_data_parallel_trainers_reproduce_the_single_rank_run(tmp_path):
+def test_data_parallel_trainers_reproduce_the_single_rank_run(tmp_path, clean_run):
     """DP=2: each trainer rank receives only its shard of the batch (and of the advantages);
-    the mini-batches are drawn from the whole batch, so the run is the single-rank one."""
-    common = ["num_groups=4", "group_size=4", "stop_success=null", "seed=7", "iterations=3", "val_every=0",
-              "actor.num_mini_batches=2"]
-    single = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'single'}", *common], timeout_s=300)[0]
-    dp2 = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'dp2'}", "placement.trainer_ranks=2", *common],
-                       timeout_s=300)[0]
-    _same_metrics_across_data_parallel(single, dp2)
+    the two mini-batches are drawn from the whole batch, so the run is the single-rank one."""
+    dp2 = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'dp2'}", "placement.trainer_ranks=2", "iterations=4",
+                                 *DEAD_ENGINE_SETTINGS], timeout_s=300)[0]
+    _same_metrics_across_data_parallel(clean_run, dp2)
 
 
 def _same_metrics_across_data_parallel(single: list[dict], other: list[dict]) -> None:
