@@ -213,6 +213,8 @@ class Actor:
         filler = micro[-1] if micro else self._micro_batches(_IDLE_BATCH, [0])[0]
         idle = dict(filler, index=torch.zeros(0, dtype=torch.long), idle=torch.tensor(True),
                     response_mask=torch.zeros_like(filler["response_mask"]))
+        if "route_rows" in idle:  # its tokens are no row's: no routing watch or record counts them
+            idle["route_rows"] = torch.full_like(idle["route_rows"], -1)
         return micro + [idle] * (int(count) - len(micro))
 
     def _forward_micro_batches(self, shard: TrainBatch) -> list[dict]:

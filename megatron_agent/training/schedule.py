@@ -155,7 +155,7 @@ def run_schedule(
             forward_only=forward_only,
         )
     finally:
-        if any("routed_experts" in mb for mb in micro_batches):
+        if any("routed_experts" in mb or "route_rows" in mb for mb in micro_batches):
             routing_replay.disarm(chunks)
 
 
