@@ -42,7 +42,12 @@ from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.training.adam_steps import adam_steps, materialize_adam_state, set_adam_steps
 from megatron_agent.training.batch import TrainBatch, micro_batch_images, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_logprobs, token_logprobs_and_entropy
-from megatron_agent.training.routing_replay import RoutingRecord, RoutingWatch, finished_routes
+from megatron_agent.training.routing_replay import (
+    RoutingRecord,
+    RoutingWatch,
+    finished_routes,
+    on_every_router,
+)
 from megatron_agent.training.schedule import (
     attach_grad_finalization,
     layout_multiple,
@@ -291,10 +296,11 @@ class Actor:
 
         for chunk in chunks:
             chunk.eval()
-        watch = RoutingWatch(chunks, shard.size) if watch_routing else contextlib.nullcontext()
-        record = (RoutingRecord(chunks, shard.size, shard.tokens.shape[1] - 1, self.hf["num_hidden_layers"],
-                                self.hf["num_experts_per_tok"]) if record_routing else contextlib.nullcontext())
-        with torch.no_grad(), watch, record:
+        watch = RoutingWatch(shard.size) if watch_routing else None
+        record = (RoutingRecord(shard.size, shard.tokens.shape[1] - 1, self.hf["num_hidden_layers"],
+                                self.hf["num_experts_per_tok"]) if record_routing else None)
+        with (torch.no_grad(), on_every_router(chunks, watch) if watch else contextlib.nullcontext(),
+              on_every_router(chunks, record) if record else contextlib.nullcontext()):
             if micro := self._forward_micro_batches(shard):
                 run_schedule(chunks, micro, keep, forward_only=True)
         out = {"logprobs": self._gather_per_token(logprobs, shard, batch)}

@@ -27,6 +27,8 @@ the engine's, replayed or not (a model built without replay takes the routes onl
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -127,26 +129,28 @@ def disarm(chunks) -> None:
                 router.router_replay.clear_router_replay_action()
 
 
+@contextlib.contextmanager
+def on_every_router(chunks, hook):
+    """`hook(router, inputs, output)` after every router forward of `chunks`, within the block."""
+    handles = [router.register_forward_hook(hook) for chunk in chunks for router in routers(chunk).values()]
+    try:
+        yield hook
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class RoutingWatch:
-    """While active (`with`), each router compares its own top-k (by its weights) with the
-    engine's ids of every fed token it routes: `counts[row]` = (decisions that differ,
-    decisions) per shard row, summed over this rank's layers and tokens. A router that
-    replays must also have routed exactly by the engine's ids: otherwise RuntimeError."""
+    """Called after each router forward (`on_every_router`): compares the router's own top-k
+    (by its weights) with the engine's ids of every fed token it routes, `counts[row]` =
+    (decisions that differ, decisions) per shard row, over this rank's layers and tokens. A
+    router that replays must have routed exactly by the engine's ids: otherwise RuntimeError."""
 
-    def __init__(self, chunks, rows: int):
+    def __init__(self, rows: int):
         self.counts = torch.zeros(rows, 2, dtype=torch.float64)
-        self.hooks = [router.register_forward_hook(self._compare)
-                      for chunk in chunks for router in routers(chunk).values()]
-
-    def __enter__(self) -> RoutingWatch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for hook in self.hooks:
-            hook.remove()
 
     @torch.no_grad()
-    def _compare(self, router, inputs, output) -> None:
+    def __call__(self, router, inputs, output) -> None:
         engine, rows, _ = getattr(router, "routed_tokens", None) or (None, None, None)
         if engine is None or rows is None:
             return
@@ -165,25 +169,17 @@ class RoutingWatch:
 
 
 class RoutingRecord:
-    """While active (`with`), each router writes the experts it routes every fed token to into
-    `routes` [rows, columns, layers, k] int32, and marks the place in `written` (this rank's
-    tokens and layers: sum both over the ranks that hold the others, then `finished`)."""
+    """Called after each router forward (`on_every_router`): writes the experts the router
+    sent every fed token to into `routes` [rows, columns, layers, k] int32 and marks the place
+    in `written` (this rank's tokens and layers: sum both over the ranks that hold the others,
+    then `finished_routes`)."""
 
-    def __init__(self, chunks, rows: int, columns: int, layers: int, k: int):
+    def __init__(self, rows: int, columns: int, layers: int, k: int):
         self.routes = torch.zeros(rows, columns, layers, k, dtype=torch.int32)
         self.written = torch.zeros(rows, columns, layers, dtype=torch.int32)
-        self.hooks = [router.register_forward_hook(self._keep)
-                      for chunk in chunks for router in routers(chunk).values()]
-
-    def __enter__(self) -> RoutingRecord:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for hook in self.hooks:
-            hook.remove()
 
     @torch.no_grad()
-    def _keep(self, router, _inputs, output) -> None:
+    def __call__(self, router, _inputs, output) -> None:
         _, rows, columns = getattr(router, "routed_tokens", None) or (None, None, None)
         if rows is None:
             return
