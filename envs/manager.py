@@ -52,6 +52,7 @@ class EnvManager:
     """num_groups x group_size copies of one registered env.
 
     reset(seeds)  -> list[Observation]              one seed per group
+    reset_groups({g: seed}) -> {i: Observation}     some groups, while others play on
     step(texts)   -> (list[Observation], rewards float64 [N], dones bool [N], infos list[dict])
     step_copies({i: text}) -> {i: (Observation, reward, done, info)}   some copies; thread-safe
 
@@ -141,6 +142,25 @@ class EnvManager:
             self.dones[idx] = info["failed"]
             self.observations[idx] = obs if obs is not None else Observation(text="")
         return list(self.observations)
+
+    def reset_groups(self, seeds: Mapping[int, int]) -> dict[int, Observation]:
+        """Reset the copies of some groups ({group: seed}) while the others play on;
+        {copy: observation}. Safe to call from several threads for disjoint groups."""
+        copies = [i for g in seeds for i in range(g * self.group_size, (g + 1) * self.group_size)]
+        payloads: dict[int, list] = {}
+        for i in copies:
+            payloads.setdefault(self.worker_of(i), []).append((i, int(seeds[int(self.group_ids[i])])))
+        with _held([self._worker_locks[w] for w in sorted(payloads)]):
+            results = self._round(
+                "reset", payloads, on_death=lambda w, err: self._retry_reset(w, payloads[w], err)
+            )
+            for i in copies:
+                self._lost.pop(i, None)
+        for idx, obs, info in results:
+            self.infos[idx] = info
+            self.dones[idx] = info["failed"]
+            self.observations[idx] = obs if obs is not None else Observation(text="")
+        return {i: self.observations[i] for i in copies}
 
     def step(
         self, texts: Sequence[str | None]

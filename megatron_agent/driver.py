@@ -9,8 +9,9 @@ local processes, or Ray actors: launcher.py) and each rank runs `train_rank`. Th
 run the same loop: rank 0 (the leader) also drives the rollout engines and the
 environments, computes the advantages over the whole batch, writes the metrics, and sends
 each data-parallel rank its shard of the batch (training/batch.py); the update, the
-weight sync and checkpoints are collective. With `overlap_rollout`, the next iteration's
-rollout runs while this one trains (rollout_ahead.py). The pieces: samples.py (episodes
+weight sync and checkpoints are collective. With `training.mode=overlap`, the next iteration's
+rollout runs while this one trains (rollout_ahead.py); with `async`, the workers play groups
+without end and each iteration takes finished ones (rollout_stream.py). The pieces: samples.py (episodes
 to batches), engine_fleet.py (engines, restarts, weight sync), run_dir.py (the files),
 iteration_metrics.py (the metrics row).
 """
@@ -26,6 +27,7 @@ from megatron_agent.iteration_metrics import PhaseTimer, iteration_row
 from megatron_agent.launcher import launch
 from megatron_agent.progress import ProgressReporter, progress_path
 from megatron_agent.rollout_ahead import RolloutAhead
+from megatron_agent.rollout_stream import RolloutStream
 from megatron_agent.run_config import ConfigError, RunConfig, env_copies_memory_problem
 from megatron_agent.run_dir import (
     MetricsLog,
@@ -110,12 +112,15 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
             workers = RolloutWorkers(config, str(model_dir), on_progress=shown_as)
             if config.val_every:
                 val_envs = env_manager(config, config.loop.validation.num_episodes, 1)
-        rollouts = RolloutAhead(fleet, lambda client, i: workers.collect(
-                                    i, client.urls, keep_episodes=4 if samples_due(config, i) else 0),
-                                leader=leader, overlap=config.overlap_rollout)
+        if config.training.mode == "async":
+            rollouts = RolloutStream(fleet, workers)
+        else:
+            rollouts = RolloutAhead(fleet, lambda client, i: workers.collect(
+                                        i, client.urls, keep_episodes=4 if samples_due(config, i) else 0),
+                                    leader=leader, overlap=config.training.mode == "overlap")
         if first_iteration:
             fleet.sync_weights(first_iteration)  # the engines start from the model on disk
-            if config.overlap_rollout:
+            if config.training.mode == "overlap":
                 ahead = load_rollout_ahead(config, first_iteration) if leader else None
                 rollouts.restore(first_iteration, workers.restore(ahead) if ahead is not None else None)
         successes = [row["train/success_rate"] for row in history]
@@ -130,7 +135,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
                 # this rank's data-parallel shard, with its advantages (but GAE's), from the workers
                 batch = fetch_batch(workers, collected, dp, pad_id=tokenizer.pad_token_id,
                                     temperature=config.loop.sampling.temperature)
-            rollouts.start(iteration + 1)  # overlap_rollout: on the engines' current weights, while this trains
+            rollouts.start(iteration + 1)  # overlap: on the engines' current weights, while this trains
 
             if critic is not None:
                 with phase("advantages"):  # GAE: the critic's values go to the workers that hold the samples
@@ -173,7 +178,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
                 with phase("critic_update"):
                     metrics.update(critic.update(batch, returns=targets["returns"], old_values=values))
 
-            with phase("rollout_wait"):  # for the rollout ahead (overlap_rollout)
+            with phase("rollout_wait"):  # for the rollout ahead (training.mode=overlap)
                 rollouts.finish()
             with phase("weight_sync"):
                 metrics.update(fleet.sync_weights(iteration + 1))
@@ -199,6 +204,9 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
                     write_sample_episodes(run_dir, iteration, collected.episodes)
                 successes.append(collected.metrics["rollout/success_rate"])
                 metrics["train/policy_staleness"] = staleness
+                if config.training.mode == "async":
+                    metrics["async/trainer_idle_fraction"] = timer.seconds.get("time/rollout", 0.0) / max(
+                        sum(timer.seconds.values()), 1e-9)
                 metrics["rollout/worker_restarts"] = float(workers.restarts)
                 row = iteration_row(iteration, timer, collected.metrics, metrics, tokens=float(collected.tokens),
                                     elapsed=time.perf_counter() - start, successes=successes,
@@ -256,7 +264,7 @@ def resume(config: RunConfig, actor, critic) -> tuple[list[dict], int]:
 
 def save_checkpoint(run_dir: Path, iteration: int, actor, critic, rollout_ahead=None) -> None:
     """The critic and the rollout collected ahead (the leader's `rollout_ahead`, with
-    overlap_rollout) first: a complete actor checkpoint implies complete others."""
+    training.mode=overlap) first: a complete actor checkpoint implies complete others."""
     name = checkpoint_name(iteration)
     if rollout_ahead is not None:
         path = rollout_ahead_file(run_dir, name)
@@ -274,7 +282,7 @@ def save_checkpoint(run_dir: Path, iteration: int, actor, critic, rollout_ahead=
 
 def load_rollout_ahead(config: RunConfig, iteration: int):
     """The rollout of `iteration` collected ahead before the checkpoint (None: the
-    checkpoint was saved without overlap_rollout; the rollout then runs on resumed weights)."""
+    checkpoint was saved in another training.mode; the rollout then runs on resumed weights)."""
     path = rollout_ahead_file(Path(config.resume), checkpoint_name(iteration))
     if not path.is_file():
         log.warning("%s not found: iteration %d is rolled out on the resumed weights", path, iteration)

@@ -64,9 +64,9 @@ def validate_colocation(config) -> None:
     if transport not in (None, *TRANSPORTS):
         raise ValueError(f"weight_sync.transport={transport!r}; choose one of {TRANSPORTS} (or null: "
                          "tensor when placement.colocate, else broadcast)")
-    if p.colocate and getattr(config, "overlap_rollout", False):
+    if p.colocate and getattr(getattr(config, "training", None), "mode", "sync") != "sync":
         raise ValueError("placement.colocate=true gives the engines' memory to the actor while it trains, so "
-                         "nothing rolls out then: overlap_rollout=true needs colocate=false")
+                         "nothing rolls out then: training.mode=overlap or async needs colocate=false")
     problem = engine_gpu_problem(config)
     if problem:
         raise ValueError(problem)

@@ -35,7 +35,7 @@ class Progress:
     iterations: int  # the run's `iterations`
     phase: str  # STARTING, a phase of the iteration's PhaseTimer ("rollout", "update", ...), DONE
     # The rollout under way, what it is for ("rollout of iteration N" or "validation") and
-    # its counts; with overlap_rollout the next iteration's runs during this one's update.
+    # its counts; with training.mode=overlap the next iteration's runs during this one's update.
     rollout_for: str | None = None
     rollout: RolloutProgress | None = None
 

@@ -1,4 +1,4 @@
-"""Rollout ahead (`overlap_rollout: true`): iteration k+1's rollout runs in a thread on the
+"""Rollout ahead (`training.mode=overlap`): iteration k+1's rollout runs in a thread on the
 leader while iteration k trains, on the weights the engines hold (those of iteration k);
 the weight sync waits for both, so generation is never paused under a running rollout.
 Every sample is then one update old (`train/policy_staleness` 1), which the rollout

@@ -4,7 +4,7 @@ Worker k of W owns the groups `worker_groups(num_groups, W)[k]`: their env copie
 EnvManager), the prompts and the tokenizer, an engine client over its share of the engines
 (`worker_engine_urls`; a trajectory's steps stick to one engine, for its prefix cache) and
 the step samples of the rollouts it holds (this iteration's, and the next one's with
-overlap_rollout), with their groups' advantages as far as its own groups decide them. The
+training.mode=overlap), with their groups' advantages as far as its own groups decide them. The
 coordinator that drives the workers is rollout_workers.py.
 """
 
@@ -68,10 +68,15 @@ class RolloutWorker:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer = tokenizer
         self.image_processor = load_image_processor(model_dir) if model_dir else None
+        self.streams = config.training.mode == "async"
         if envs is None:
             from envs import EnvManager
 
-            envs = EnvManager(config.env, config.env_config, num_groups=len(self.groups),
+            played = len(self.groups)  # async: the worker's share of the groups in flight
+            if self.streams:
+                played = len(worker_groups(config.training.inflight_groups(config.num_groups),
+                                           config.rollout.workers)[index])
+            envs = EnvManager(config.env, config.env_config, num_groups=played,
                               group_size=config.group_size, backend=config.env_backend,
                               num_workers=config.env_workers)
         self.envs, self.engine, self.urls = envs, engine, None
@@ -79,6 +84,13 @@ class RolloutWorker:
         self.held: dict[int, HeldRollout] = {}  # by iteration: the rollout being trained on, and the next
         self.on_progress = None  # W = 1: the run's progress display (rollout/progress.py), set by the coordinator
         self.latest_progress = None  # the running rollout's counts (rollout.progress.RolloutProgress), for `progress`
+        # training.mode=async: the group stream, the groups it finished, tickets to play again
+        self.stream = None
+        self.ready: list = []  # rollout.group_stream.FinishedGroup, not taken yet
+        self.replay: list = []  # rollout.group_stream.GroupTicket of groups cut off in flight
+        self.next_ticket = 0  # tickets issued, counted from the first iteration streamed
+        self.first_streamed = self.version = 0
+        self.idle_mark: tuple[float, float] | None = None  # (engine idle s, time) at the last take
 
     def pid(self) -> int:
         import os
@@ -95,12 +107,13 @@ class RolloutWorker:
         mine = worker_engine_urls(urls, self.config.rollout.workers, self.index)
         if not self.own_engine_client or mine == self.urls:
             return
+        self._stop_stream()  # new engines: the groups in flight play again on them
         if self.engine is not None:
             self.engine.close()
         self.engine, self.urls = engine_client(self.config.engine, mine, self.model_dir), mine
 
     def begin(self, iteration: int) -> None:
-        self.held = {i: h for i, h in self.held.items() if i == iteration - 1}  # overlap_rollout: the one training
+        self.held = {i: h for i, h in self.held.items() if i == iteration - 1}  # training.mode=overlap: the one training
         self.held[iteration] = HeldRollout()
 
     def roll_out(self, iteration: int, attempt: int, keep_episodes: int = 0) -> WorkerTry:
@@ -133,6 +146,79 @@ class RolloutWorker:
         """The running rollout's counts (None before the first); answered while `roll_out`
         runs (the actor serves two calls at once)."""
         return self.latest_progress
+
+    # -- training.mode=async ------------------------------------------------------------
+
+    def take_groups(self, iteration: int, version: int) -> WorkerTry:
+        """Iteration `iteration`'s groups from the stream (started on the first call): this
+        worker's share of num_groups, the lowest-numbered of those finished whose tokens are
+        at most training.max_staleness versions behind `version` (the engines' weights, from
+        which the stream's admission now counts); older ones are dropped."""
+        from collections import Counter
+
+        from rollout.group_stream import GroupStream, version_lag_tokens
+
+        config = self.config
+        self.version = version
+        if self.stream is None:
+            if not self.next_ticket:
+                self.first_streamed = iteration
+            self.stream = GroupStream(self.envs, self.engine, self.tokenizer, config.loop, self._admit,
+                                      image_processor=self.image_processor, on_progress=self._report)
+            self.idle_mark = (0.0, time.monotonic())
+            self.stream.start()
+        else:
+            self.stream.wake()
+        self.begin(iteration)
+        wanted, dropped, taken = len(self.groups), 0, []
+        while len(taken) < wanted:
+            self.ready += self.stream.take(max(0, wanted - len(taken) - len(self.ready)))
+            self.ready.sort(key=lambda f: f.ticket.group_id)
+            while self.ready and len(taken) < wanted:
+                group = self.ready.pop(0)
+                oldest = min((weight_version_number(v) for v in group.version_tokens), default=version)
+                if version - oldest > config.training.max_staleness:
+                    dropped += 1
+                else:
+                    taken.append(group)
+        samples = [s for g in taken for s in g.samples]
+        self.held[iteration].samples += samples
+        lags = version_lag_tokens(sum((Counter(g.version_tokens) for g in taken), Counter()), version,
+                                  weight_version_number)
+        tokens = max(1, sum(lags.values()))
+        idle_s, now = self.stream.engine_idle_s(), time.monotonic()
+        metrics = {f"async/token_lag_{k}": n / tokens for k, n in sorted(lags.items())}
+        metrics.update({
+            "async/dropped_groups": float(dropped),
+            "async/partial_samples": sum(len(set(s.token_versions)) > 1 for s in samples) / max(1, len(samples)),
+            "async/engine_idle_fraction": (idle_s - self.idle_mark[0]) / max(now - self.idle_mark[1], 1e-9),
+            **self.stream.busy_since_last()})
+        self.idle_mark = (idle_s, now)
+        episodes = [[without_pixels(s) for s in g.samples] for g in taken[:1]]  # run_dir/samples: a group's
+        return WorkerTry(sorted(g.ticket.group_id for g in taken), dropped, [e for g in taken for e in g.summaries],
+                         metrics, episodes)
+
+    def _admit(self):
+        """The stream's next group (called under its lock), or None while it would start more
+        than training.max_staleness versions ahead of the engines' weights."""
+        from megatron_agent.samples import rollout_seeds
+        from rollout.group_stream import GroupTicket
+
+        if self.replay:
+            return self.replay.pop(0)
+        per_iteration = len(self.groups)
+        iteration = self.first_streamed + self.next_ticket // per_iteration
+        if iteration > self.version + self.config.training.max_staleness:
+            return None
+        g = self.groups[self.next_ticket % per_iteration]
+        self.next_ticket += 1
+        seed = rollout_seeds(self.config, iteration, 0)[g]
+        return GroupTicket(iteration * self.config.num_groups + g, int(seed), iteration)
+
+    def _stop_stream(self) -> None:
+        if self.stream is not None:
+            self.replay = sorted(self.replay + self.stream.stop(), key=lambda t: t.group_id)
+            self.stream = None
 
     def keep(self, iteration: int, groups: list[int] | None) -> WorkerBatch:
         """Keep the samples of `groups` (None: all); their partial advantages are computed
@@ -199,6 +285,7 @@ class RolloutWorker:
         return compact_shard([held.samples[int(r)] for r in rows], advantages)
 
     def close(self) -> None:
+        self._stop_stream()
         if self.own_engine_client and self.engine is not None:
             self.engine.close()
         self.envs.close()

@@ -211,8 +211,6 @@ class RolloutWorkers:
         groups have a learning signal, as `enough_groups` says, and keeps the lowest-numbered
         of them); returns the rollout as the coordinator holds it."""
         from megatron_agent.algorithms import enough_groups
-        from megatron_agent.algorithms.gigpo import gigpo_diagnostics
-        from megatron_agent.algorithms.group_advantages import combine_moments
         from rollout.agent_loop import summary_metrics
 
         config, every = self.config, range(self.count)
@@ -235,7 +233,6 @@ class RolloutWorkers:
                     len(kept), config.num_groups, attempt, config.algorithm.dynamic_sampling_max_tries):
                 break
         chosen = sorted(kept)[:config.num_groups] if config.algorithm.dynamic_sampling else None
-        batches = self.call("keep", [(iteration, chosen)] * self.count)
         metrics = summary_metrics([e for t in first for e in t.summaries])
         slowest = max(first, key=lambda t: t.metrics.get("rollout/time_s", 0.0)).metrics
         metrics.update({k: v for k, v in slowest.items() if k.startswith("rollout/time") or k.endswith("_share")})
@@ -246,12 +243,36 @@ class RolloutWorkers:
             if not chosen:
                 raise RuntimeError(f"dynamic sampling: every group of {attempt} rollouts had equal episode scores; "
                                    "nothing to train on (raise algorithm.dynamic_sampling_max_tries)")
+        return self._kept(iteration, chosen, metrics, first[0].episodes)
+
+    def take_stream(self, iteration: int, urls: list[str]) -> Collected:
+        """training.mode=async: iteration `iteration`'s groups from the workers' streams
+        (rollout_stream.py), the engines holding weights `iteration`."""
+        from rollout.agent_loop import summary_metrics
+
+        self.calls = [[] for _ in range(self.count)]
+        self.iteration_restarts = 0
+        self.call("set_engines", [(list(urls),)] * self.count)
+        if not self.remote and self.on_progress is not None:
+            self.handles[0].on_progress = self.on_progress("the rollout stream")
+        tries = self.call("take_groups", [(iteration, iteration)] * self.count)
+        metrics = summary_metrics([e for t in tries for e in t.summaries])
+        metrics.update(tries[0].metrics)  # one worker streams (rollout_stream.training_problem)
+        return self._kept(iteration, None, metrics, tries[0].episodes)
+
+    def _kept(self, iteration: int, chosen: list[int] | None, metrics: dict, episodes: list) -> Collected:
+        """The workers keep `chosen` of their groups (None: all) and compute their part of
+        the advantages; the rollout as the coordinator holds it."""
+        from megatron_agent.algorithms.gigpo import gigpo_diagnostics
+        from megatron_agent.algorithms.group_advantages import combine_moments
+
+        batches = self.call("keep", [(iteration, chosen)] * self.count)
         metrics.update(gigpo_diagnostics(summed([b.diagnostics for b in batches])))
         sources = whole_order([b.group_ids for b in batches])
         lengths = np.array([batches[k].lengths[r] for k, r in sources], dtype=np.int64)
         versions = np.concatenate([b.weight_versions for b in batches])
         return Collected(iteration, sources, lengths, combine_moments([b.moments for b in batches]), metrics,
-                         first[0].episodes, float(versions.mean()) if versions.size else 0.0)
+                         episodes, float(versions.mean()) if versions.size else 0.0)
 
     @contextlib.contextmanager
     def _showing_progress(self, show, interval_s: float = 0.5):

@@ -21,6 +21,7 @@ from pathlib import Path
 from megatron_agent.algorithms import AlgorithmConfig
 from megatron_agent.placement import PlacementConfig, validate_colocation
 from megatron_agent.platform.parallel import ParallelConfig
+from megatron_agent.rollout_stream import TrainingConfig, training_problem
 from megatron_agent.rollout_workers import RolloutWorkersConfig
 from megatron_agent.training.actor import ActorConfig
 from megatron_agent.training.checks import LogprobCheckConfig
@@ -72,10 +73,8 @@ class RunConfig:
     samples_every: int = 0  # iterations between writing a few episodes as text (0: none)
     # A run directory to continue from its last complete checkpoint (the same settings).
     resume: str | None = None
-    # Roll out iteration k+1 (on the weights of iteration k) while iteration k trains; the
-    # samples are then one update old, corrected by the engines' logprobs (algorithm.tis_cap
-    # and/or algorithm.rollout_mask, required).
-    overlap_rollout: bool = False
+    # When the rollout runs beside the update: sync, overlap or async (megatron_agent/rollout_stream.py).
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: ActorConfig = field(default_factory=ActorConfig)  # the value model of algorithm=ppo (GAE)
@@ -189,21 +188,13 @@ def validate_run_config(run: RunConfig) -> None:
         raise ConfigError(f"env_workers={run.env_workers} must be >= 1 (or null: one per CPU)")
     if run.loop.mode not in LOOP_MODES:
         raise ConfigError(f"loop.mode={run.loop.mode!r}; choose one of {LOOP_MODES}")
-    if run.overlap_rollout and not run.algorithm.corrects_rollout:
-        raise ConfigError("overlap_rollout=true trains on samples generated one update earlier: set "
-                          "algorithm.tis_cap (e.g. 2.0) and/or algorithm.rollout_mask to correct them by the "
-                          "engines' logprobs")
-    if run.overlap_rollout and run.placement.colocate:
-        raise ConfigError("overlap_rollout=true with placement.colocate=true: colocated engines give their "
-                          "memory to the actor while it trains, so no rollout can run then")
+    problem = training_problem(run)
+    if problem:
+        raise ConfigError(problem)
     try:
         run.rollout.validate(run.num_groups)
     except ValueError as err:
         raise ConfigError(f"rollout.{err}") from None
-    if run.rollout.workers > 1 and run.overlap_rollout and run.algorithm.advantage_estimator == "gae":
-        raise ConfigError(f"rollout.workers={run.rollout.workers} with overlap_rollout=true and algorithm=ppo (GAE) "
-                          "is not supported yet: the critic's values would reach the workers while they roll out "
-                          "the next iteration; set rollout.workers=1 or overlap_rollout=false")
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
     validate_placement(run)

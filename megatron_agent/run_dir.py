@@ -11,7 +11,7 @@
       tensorboard/           the same rows as TensorBoard scalars
       samples/iter_N.txt     a few episodes as text, every samples_every iterations
       checkpoints/iter_N/    the actor (a dist checkpoint); critic_checkpoints/ alike
-      rollout_ahead/iter_N.pkl  with overlap_rollout: iteration N's rollout, collected ahead
+      rollout_ahead/iter_N.pkl  with training.mode=overlap: iteration N's rollout, collected ahead
       engines/               the engine processes' logs
 """
 

@@ -65,6 +65,10 @@ class AgentLoopConfig:
     # "async": each episode steps as soon as its response is back; "lockstep": all
     # copies generate, then all step. The same samples on a batch-invariant engine.
     mode: str = "async"
+    # An answer cut short by a weight update (asynchronous training): "continue" it under the
+    # new weights, each token keeping its version and logprob, or "restart" it
+    # (rollout/partial_rollout.py).
+    in_flight_update: str = "continue"
     # Episodes whose env copy broke (info["failed"]) are not the policy's doing: their
     # samples are dropped and counted in metrics.
     drop_failed_episodes: bool = True
@@ -114,7 +118,7 @@ def run_rollout(
         tokenizer, config.prompt, sampling or config.sampling, rollout_index, config.max_steps,
         make_memory or memory_factory(config.prompt.memory, config.prompt.history_length,
                                       config.prompt.max_images),
-        image_processor=image_processor)
+        image_processor=image_processor, in_flight_update=config.in_flight_update)
     slots, offset = [], 0
     for e in slots_envs:
         slots.append(Slot(e, seeds[offset:offset + e.num_groups], first_group + offset, settings))
@@ -164,14 +168,7 @@ def rollout_result(slots: list[Slot], config: AgentLoopConfig, timeline: Timelin
     trajectories = sorted(((slot.traj_id(i), traj, bool(slot.failed[i]))
                            for slot in slots for i, traj in enumerate(slot.trajectories)), key=lambda t: t[0])
     episodes = [traj for _, traj, _ in trajectories]
-    failed = [f for _, _, f in trajectories]
-    for traj in episodes:
-        ret = float(sum(s.reward for s in traj))
-        for s in traj:
-            s.episode_return = ret
-    keep = [t for t, f in zip(episodes, failed) if not (f and config.drop_failed_episodes)]
-    samples = sorted((s for t in keep for s in t), key=lambda s: (s.group_id, s.traj_id, s.step_index))
-    summaries = [summarize_episode(t, f) for t, f in zip(episodes, failed)]
+    samples, summaries = finished_episodes(episodes, [f for _, _, f in trajectories], config.drop_failed_episodes)
     metrics = summary_metrics(summaries)
     metrics.update({
         "rollout/time_s": wall,
@@ -180,6 +177,20 @@ def rollout_result(slots: list[Slot], config: AgentLoopConfig, timeline: Timelin
         "rollout/overhead_share": 1.0 - timeline.busy(["generate", "env"]) / wall if wall > 0 else 0.0,
     })
     return RolloutResult(samples=samples, metrics=metrics, episodes=episodes, summaries=summaries)
+
+
+def finished_episodes(episodes: list[list[StepSample]], failed: list[bool],
+                      drop_failed: bool) -> tuple[list[StepSample], list[EpisodeSummary]]:
+    """Played episodes -> their samples in (group, trajectory, step) order, each with its
+    episode's return (a failed episode's left out when `drop_failed`), and one summary
+    per episode."""
+    for traj in episodes:
+        ret = float(sum(s.reward for s in traj))
+        for s in traj:
+            s.episode_return = ret
+    keep = [t for t, f in zip(episodes, failed) if not (f and drop_failed)]
+    samples = sorted((s for t in keep for s in t), key=lambda s: (s.group_id, s.traj_id, s.step_index))
+    return samples, [summarize_episode(t, f) for t, f in zip(episodes, failed)]
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rollout.episodes import Request, Slot, Timeline
+from rollout.partial_rollout import finishing_aborted
 from rollout.progress import ProgressCounter
 
 
@@ -52,88 +53,116 @@ def image_kwargs(r: Request) -> dict:
 def run_async(slots: list[Slot], engine, timeline: Timeline, progress: ProgressCounter | None = None) -> None:
     """Play every active copy of `slots` (already reset) to its end; `progress` counts
     the requests in flight and the steps and episodes done."""
-    progress = progress or ProgressCounter(0, None)
-    submit, generate_pool = engine_submitter(engine)
-    lock = threading.Lock()
-    arrived: dict[tuple[int, int], list] = defaultdict(list)  # (slot, env worker) -> [(copy, prompt, output)]
-    draining: set[tuple[int, int]] = set()
     left = [sum(len(s.active_copies()) for s in slots)]
-    finished = threading.Event()
-    errors: list[BaseException] = []
-    in_flight: set[Future] = set()
-    lanes = sum(len(getattr(s.envs, "workers", [None])) for s in slots)
-    env_pool = ThreadPoolExecutor(max_workers=max(1, lanes), thread_name_prefix="rollout-env")
+    lock = threading.Lock()
 
-    def guarded(fn):
+    def episode_ended(play: AsyncPlay, k: int, i: int) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                play.finished.set()
+
+    play = AsyncPlay(slots, engine, timeline, progress, episode_ended)
+    try:
+        if left[0]:
+            for k, slot in enumerate(slots):
+                for i in slot.active_copies():
+                    play.start(k, i)
+            play.finished.wait()
+    finally:
+        play.close()
+    play.raise_error()
+
+
+class AsyncPlay:
+    """The engine of the asynchronous loop: `start(k, i)` sends copy i of slot k its next
+    request; each answer steps its env in its worker's lane and sends that copy's next
+    request, until its episode ends, when `on_episode_end(play, k, i)` is called (from a
+    lane). `finished` is set by the caller's hook, or by the first error (`raise_error`)."""
+
+    def __init__(self, slots: list[Slot], engine, timeline: Timeline, progress: ProgressCounter | None,
+                 on_episode_end: Callable[[AsyncPlay, int, int], None]):
+        self.slots, self.timeline = slots, timeline
+        self.progress = progress or ProgressCounter(0, None)
+        self.on_episode_end = on_episode_end
+        submit, self.generate_pool = engine_submitter(engine)
+        self.submit = finishing_aborted(submit, slots[0].settings.in_flight_update) if slots else submit
+        self.lock = threading.Lock()
+        self.arrived: dict[tuple[int, int], list] = defaultdict(list)  # (slot, env worker) -> [(copy, prompt, output)]
+        self.draining: set[tuple[int, int]] = set()
+        self.finished = threading.Event()
+        self.errors: list[BaseException] = []
+        self.in_flight: set[Future] = set()
+        lanes = sum(len(getattr(s.envs, "workers", [None])) for s in slots)
+        self.env_pool = ThreadPoolExecutor(max_workers=max(1, lanes), thread_name_prefix="rollout-env")
+
+    def guarded(self, fn):
         """After a failure nothing moves on: late responses and env steps are dropped."""
         def run(*args):
-            if finished.is_set():
+            if self.finished.is_set():
                 return
             try:
                 fn(*args)
-            except BaseException as e:  # noqa: BLE001 - raised by run_async's caller thread
-                errors.append(e)
-                finished.set()
+            except BaseException as e:  # noqa: BLE001 - raised by the caller's thread (raise_error)
+                self.errors.append(e)
+                self.finished.set()
         return run
 
-    def start(k: int, i: int) -> None:
-        prompt = slots[k].prompt(i)
-        request = slots[k].request(i, prompt)
+    def start(self, k: int, i: int) -> None:
+        self.guarded(self._start)(k, i)
+
+    def _start(self, k: int, i: int) -> None:
+        slot = self.slots[k]
+        prompt = slot.prompt(i)
+        request = slot.request(i, prompt)
         t0 = time.perf_counter()
-        progress.add(requests_in_flight=1)
-        future = submit(request)
-        with lock:
-            in_flight.add(future)
-        future.add_done_callback(guarded(lambda f: generated(k, i, prompt, t0, f)))
+        self.progress.add(requests_in_flight=1)
+        future = self.submit(request)
+        with self.lock:
+            self.in_flight.add(future)
+        future.add_done_callback(self.guarded(lambda f: self._generated(k, i, prompt, t0, f)))
 
-    def generated(k: int, i: int, prompt, t0: float, future: Future) -> None:
-        timeline.record("generate", t0, time.perf_counter())
-        with lock:
-            in_flight.discard(future)
-        progress.add(requests_in_flight=-1)
+    def _generated(self, k: int, i: int, prompt, t0: float, future: Future) -> None:
+        self.timeline.record("generate", t0, time.perf_counter())
+        with self.lock:
+            self.in_flight.discard(future)
+        self.progress.add(requests_in_flight=-1)
         output = future.result()
-        lane = (k, slots[k].envs.worker_of(i))
-        with lock:
-            arrived[lane].append((i, prompt, output))
-            if lane in draining:
+        lane = (k, self.slots[k].envs.worker_of(i))
+        with self.lock:
+            self.arrived[lane].append((i, prompt, output))
+            if lane in self.draining:
                 return
-            draining.add(lane)
-        env_pool.submit(guarded(drain), lane)
+            self.draining.add(lane)
+        self.env_pool.submit(self.guarded(self._drain), lane)
 
-    def drain(lane: tuple[int, int]) -> None:
-        slot = slots[lane[0]]
+    def _drain(self, lane: tuple[int, int]) -> None:
+        slot = self.slots[lane[0]]
         while True:
-            with lock:
-                items = arrived.pop(lane, [])
+            with self.lock:
+                items = self.arrived.pop(lane, [])
                 if not items:
-                    draining.discard(lane)
+                    self.draining.discard(lane)
                     return
-            stepped = slot.step(items, timeline)
-            progress.add(steps_done=len(stepped), episodes_done=sum(not goes_on for _, goes_on in stepped))
+            stepped = slot.step(items, self.timeline)
+            self.progress.add(steps_done=len(stepped), episodes_done=sum(not goes_on for _, goes_on in stepped))
             for i, goes_on in stepped:
                 if goes_on:
-                    start(lane[0], i)
+                    self._start(lane[0], i)
                 else:
-                    with lock:
-                        left[0] -= 1
-                        if left[0] == 0:
-                            finished.set()
+                    self.on_episode_end(self, lane[0], i)
 
-    try:
-        if left[0] == 0:
-            return
-        for k, slot in enumerate(slots):
-            for i in slot.active_copies():
-                guarded(start)(k, i)
-        finished.wait()
-    finally:
-        finished.set()
-        with lock:
-            abandoned = list(in_flight)
+    def close(self) -> None:
+        """Stop: requests not sent yet are dropped, late answers ignored."""
+        self.finished.set()
+        with self.lock:
+            abandoned = list(self.in_flight)
         for future in abandoned:  # an aborted rollout: its queued requests are never sent
             future.cancel()
-        env_pool.shutdown(wait=not errors)
-        if generate_pool is not None:
-            generate_pool.shutdown(wait=not errors, cancel_futures=bool(errors))
-    if errors:
-        raise errors[0]
+        self.env_pool.shutdown(wait=not self.errors)
+        if self.generate_pool is not None:
+            self.generate_pool.shutdown(wait=not self.errors, cancel_futures=bool(self.errors))
+
+    def raise_error(self) -> None:
+        if self.errors:
+            raise self.errors[0]

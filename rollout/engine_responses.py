@@ -41,6 +41,9 @@ class GenerateOutput:
     weight_version: str
     server: str
     routed_experts: np.ndarray | None = None  # [fed tokens, layers, k], when asked
+    # one weight version per output token, for an answer joined across a weight update
+    # (rollout/partial_rollout.py); None: all of them `weight_version`
+    token_versions: list[str] | None = None
 
 
 def _token_id(value, where: str) -> int:

@@ -78,18 +78,21 @@ class RolloutSettings:
     max_steps: int
     make_memory: Callable[[], Memory]
     image_processor: object = None  # the vision-language model's (rollout/vision.py); None: a text model
+    in_flight_update: str = "continue"  # an answer cut by a weight update: rollout/partial_rollout.py
     # HF fast tokenizers are not safe to share across threads.
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Slot:
-    """One EnvManager's episodes; copy i of group i // G, trajectory id counted from
-    `group_offset`."""
+    """One EnvManager's episodes; copy i of the slot's group i // G, whose group id is
+    counted from `group_offset` (a group stream, rollout/group_stream.py, gives a group of
+    the slot a new id, seed and rollout index each time it plays again: `restart_group`)."""
 
     def __init__(self, envs, seeds: Sequence[int], group_offset: int, settings: RolloutSettings):
         self.envs = envs
         self.seeds = [int(s) for s in seeds]
-        self.group_offset = group_offset
+        self.group_numbers = [group_offset + g for g in range(len(self.seeds))]
+        self.rollout_indices = [settings.rollout_index] * len(self.seeds)
         self.settings = settings
         self.G = envs.group_size
         self.trajectories: list[list[StepSample]] = [[] for _ in range(envs.num_envs)]
@@ -103,6 +106,25 @@ class Slot:
         self.active = ~self.envs.dones.copy()
         self.memories = [self.settings.make_memory() for _ in range(self.envs.num_envs)]
 
+    def restart_group(self, g: int, group_number: int, seed: int, rollout_index: int) -> list[int]:
+        """Play group g of the slot again as group `group_number` (its episodes so far
+        must have been taken: `take_group`); its copies that play (not failed at reset)."""
+        self.seeds[g], self.group_numbers[g], self.rollout_indices[g] = int(seed), group_number, rollout_index
+        copies = range(g * self.G, (g + 1) * self.G)
+        for i, obs in self.envs.reset_groups({g: int(seed)}).items():
+            self.observations[i] = obs
+            self.failed[i] = bool(self.envs.infos[i].get("failed"))
+            self.active[i] = not self.envs.dones[i]
+            self.steps[i] = 0
+            self.memories[i] = self.settings.make_memory()
+            self.trajectories[i] = []
+        return [i for i in copies if self.active[i]]
+
+    def take_group(self, g: int) -> tuple[list[list[StepSample]], list[bool]]:
+        """Group g's trajectories and whether each copy failed, in copy order."""
+        copies = range(g * self.G, (g + 1) * self.G)
+        return [self.trajectories[i] for i in copies], [bool(self.failed[i]) for i in copies]
+
     def active_copies(self) -> list[int]:
         return [int(i) for i in np.flatnonzero(self.active)]
 
@@ -110,7 +132,7 @@ class Slot:
         return self.seeds[i // self.G]
 
     def traj_id(self, i: int) -> int:
-        return (self.group_offset + i // self.G) * self.G + i % self.G
+        return self.group_numbers[i // self.G] * self.G + i % self.G
 
     def prompt(self, i: int) -> Prompt:
         s = self.settings
@@ -120,10 +142,10 @@ class Slot:
                                 int(self.steps[i]), s.prompt, image=obs.image, image_processor=s.image_processor)
 
     def request(self, i: int, prompt: Prompt) -> Request:
-        s, step = self.settings, int(self.steps[i])
+        s, step, rollout_index = self.settings, int(self.steps[i]), self.rollout_indices[i // self.G]
         seed = None if s.sampling.seed is None else sampling_seed(
-            s.sampling.seed, s.rollout_index, self.env_seed(i), i % self.G, step)
-        key = f"r{s.rollout_index}-s{self.env_seed(i)}-t{self.traj_id(i)}"
+            s.sampling.seed, rollout_index, self.env_seed(i), i % self.G, step)
+        key = f"r{rollout_index}-s{self.env_seed(i)}-t{self.traj_id(i)}"
         return Request(prompt.engine_ids, s.sampling.to_params(seed), f"{key}-step{step}", key,
                        image_data=list(prompt.image_data),
                        prompt_tokens=len(prompt.ids) if prompt.image_data else None)
@@ -149,13 +171,14 @@ class Slot:
         obs, step = self.observations[i], int(self.steps[i])
         sample = StepSample(
             prompt_ids=prompt.ids, response_ids=list(output.output_ids), rollout_logprobs=list(output.logprobs),
-            reward=float(reward), episode_return=0.0, group_id=self.group_offset + i // self.G,
+            reward=float(reward), episode_return=0.0, group_id=self.group_numbers[i // self.G],
             traj_id=self.traj_id(i), step_index=step, anchor=obs.anchor,
             is_action_valid=bool(info.get("is_action_valid", True)), done=bool(done),
             won=bool(info.get("won", False)), env_seed=self.env_seed(i), env_name=self.envs.name,
             task_type=str(info.get("task_type") or self.envs.name),
             truncated_history=prompt.truncated_history, history_entries=prompt.history_entries,
             finish_reason=output.finish_reason, response_text=text, weight_version=output.weight_version,
+            token_versions=list(getattr(output, "token_versions", None) or []),
             info={k: v for k, v in info.items() if k in ("failed", "error", "truncated", "action")},
             images=list(prompt.images), image_entries=list(prompt.image_entries), observation=obs.text,
             pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,

@@ -28,7 +28,10 @@ class StepSample:
     history_entries: int = 0
     finish_reason: str = ""  # "stop" | "length" | "abort"
     response_text: str = ""
-    weight_version: str = ""
+    weight_version: str = ""  # the engine's weights when the answer ended
+    # One weight version per response token when the answer spans a weight update (a
+    # partial rollout: rollout/partial_rollout.py); empty: every token's is weight_version.
+    token_versions: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)
     # The prompt's images in text order (HxWx3 uint8 arrays; rollout.prompts.Prompt.images)
     # and the history entry each belongs to (`history_entries`: the current observation).

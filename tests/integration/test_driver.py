@@ -278,10 +278,10 @@ def test_rollout_workers_on_a_ray_cluster_lose_no_group_when_one_is_killed(tmp_p
 
 
 def test_overlapped_rollout_is_one_update_stale_and_resumes_exactly(tmp_path):
-    """overlap_rollout: iteration k+1 is rolled out on the weights of iteration k while k
+    """training.mode=overlap: iteration k+1 is rolled out on the weights of iteration k while k
     trains; a checkpoint keeps the rollout done ahead, so a resumed run is the same run."""
     common = ["num_groups=4", "group_size=4", "stop_success=null", "save_every=2", "seed=3", "val_every=0",
-              "overlap_rollout=true", "algorithm.tis_cap=2.0"]
+              "training.mode=overlap", "algorithm.tis_cap=2.0"]
     full = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'full'}", "iterations=4", *common], timeout_s=300)[0]
     assert [row["train/policy_staleness"] for row in full] == [0.0, 1.0, 1.0, 1.0]
     assert "check/rollout_logprob_mean_abs_diff" in full[0]  # served vs trained: same weights only
@@ -298,3 +298,43 @@ def test_overlapped_rollout_is_one_update_stale_and_resumes_exactly(tmp_path):
     workers = run_on_ranks(_run, 1, [f"run_dir={tmp_path / 'workers'}", "iterations=4", "rollout.workers=2",
                                      *common], timeout_s=300)[0]
     _same_metrics(full, workers, rel=1e-5)
+
+
+def _run_killed_with_groups_in_flight(overrides: list[str], kill_in: int) -> list[dict]:
+    """The run, killed (SIGKILL) in iteration `kill_in` once its progress shows requests in flight."""
+    import os
+    import signal
+
+    from megatron_agent.driver import train
+    from megatron_agent.run_config import load_run_config
+
+    def kill(progress):
+        if progress.iteration >= kill_in and progress.rollout and progress.rollout.requests_in_flight > 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return train(load_run_config(overrides), on_progress=kill)
+
+
+def test_async_training_killed_with_groups_in_flight_resumes_and_finishes(tmp_path):
+    """training.mode=async: the workers' stream plays on beside the update; a run killed while
+    its groups are in flight resumes from its last checkpoint and plays them again."""
+    from megatron_agent.platform.launch import RankFailed
+
+    common = ["num_groups=4", "group_size=4", "stop_success=null", "save_every=2", "seed=3", "val_every=0",
+              "training.mode=async", "algorithm.tis_cap=2.0", "training.max_staleness=2",
+              "training.max_inflight_groups=8"]
+    run_dir = tmp_path / "run"
+    with pytest.raises(RankFailed, match=r"exited without a result \(exit codes \{0: -9\}\)"):
+        run_on_ranks(_run_killed_with_groups_in_flight, 1, [f"run_dir={run_dir}", "iterations=4", *common], 2,
+                     timeout_s=300)
+    assert (run_dir / "checkpoints" / "iter_000002" / "megatron_agent.json").exists()
+    resumed = run_on_ranks(_run, 1, [f"run_dir={run_dir}", f"resume={run_dir}", f"model_dir={run_dir / 'model'}",
+                                     "iterations=4", *common], timeout_s=300)[0]
+    assert [row["iteration"] for row in resumed] == [0, 1, 2, 3]
+    for row in resumed[2:]:
+        assert row["train/num_episodes"] == 16  # 4 groups of 4, from the stream
+        assert 0 <= row["train/policy_staleness"] <= 2
+        lags = {k: v for k, v in row.items() if k.startswith("async/token_lag_")}
+        assert lags and sum(lags.values()) == pytest.approx(1.0)
+        assert all(int(k.rsplit("_", 1)[1]) <= 2 for k in lags)  # no token older than max_staleness
+        assert math.isfinite(row["rollout_correction/weight_mean"]) and math.isfinite(row["actor/pg_loss"])

@@ -57,9 +57,12 @@ COMMANDS = {
     ".venv/bin/megatron-agent train placement.colocate=true": Covered(
         "tests/integration/test_colocated_job.py::test_colocated_cpu_job_releases_resumes_and_serves_the_synced_weights",
         ("placement.colocate=true",)),
-    ".venv/bin/megatron-agent train overlap_rollout=true algorithm.tis_cap=2.0": Covered(
+    ".venv/bin/megatron-agent train training.mode=overlap algorithm.tis_cap=2.0": Covered(
         "tests/integration/test_driver.py::test_overlapped_rollout_is_one_update_stale_and_resumes_exactly",
-        ("overlap_rollout=true", "algorithm.tis_cap=2.0")),
+        ("training.mode=overlap", "algorithm.tis_cap=2.0")),
+    ".venv/bin/megatron-agent train training.mode=async algorithm.tis_cap=2.0": Covered(
+        "tests/integration/test_driver.py::test_async_training_killed_with_groups_in_flight_resumes_and_finishes",
+        ("training.mode=async", "algorithm.tis_cap=2.0")),
     ".venv/bin/megatron-agent train rollout.workers=2": Covered(
         "tests/integration/test_driver.py::test_rollout_workers_on_a_ray_cluster_lose_no_group_when_one_is_killed",
         ("rollout.workers=2",)),
@@ -91,6 +94,7 @@ COMMANDS = {
         "tests/unit/rollout/test_rollout_scale_bench.py::test_the_bench_runs_both_loops_to_the_same_samples",
         ('"bench" / "rollout_scale.py"', "bench.main([")),
     ".venv/bin/python bench/minimal_loop.py": Run(("--quick",)),
+    ".venv/bin/python bench/async_training.py": Run(("--quick",)),
     ".venv/bin/python bench/weight_sync.py": Run(("--layers", "1", "--hidden", "64", "--intermediate", "128",
                                                   "--buckets-mib", "1", "--repeats", "1")),
 }

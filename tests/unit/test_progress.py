@@ -88,7 +88,7 @@ def test_what_the_bar_says_inside_an_iteration():
     counts = RolloutProgress(episodes=128, episodes_done=57, steps_done=312, requests_in_flight=24)
     assert describe_progress(Progress(3, 9, "rollout", "rollout of iteration 3", counts)) == \
         "rollout: 57/128 episodes, 312 steps, 24 requests in flight"
-    # overlap_rollout: the next iteration's rollout runs during this one's update
+    # training.mode=overlap: the next iteration's rollout runs during this one's update
     assert describe_progress(Progress(3, 9, "update", "rollout of iteration 4", counts)) == \
         "update; rollout of iteration 4: 57/128 episodes, 312 steps, 24 requests in flight"
     assert describe_progress(Progress(3, 9, "validation", "validation", RolloutProgress(16, 3, 7, 13))) == \

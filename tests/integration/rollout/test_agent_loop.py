@@ -179,3 +179,32 @@ def test_validation_is_greedy_group_size_one_on_its_own_seeds(client, tokenizer,
     with EnvManager("numberline", {"render_image": False}, num_groups=3, group_size=2, backend="inline") as envs:
         with pytest.raises(ValueError, match="group_size=1"):
             run_validation(envs, client, tokenizer, cfg)
+
+
+def test_a_group_stream_plays_each_group_as_a_rollout_of_that_group_alone(client, tokenizer):
+    """rollout/group_stream.py: 5 groups through 2 env groups, each played as soon as one
+    ends; every group's samples equal `run_rollout`'s of that group (same seed, rollout
+    index and group id), the batch-invariant engine answering in whatever order."""
+    from rollout.group_stream import GroupStream, GroupTicket
+
+    tickets = [GroupTicket(group_id=g, seed=31 + g, rollout_index=g // 2) for g in (0, 1, 2, 3, 7)]
+    queue = list(tickets)
+    cfg = config(max_steps=4)
+    with EnvManager("sokoban", None, num_groups=2, group_size=2, backend="inline") as envs:
+        stream = GroupStream(envs, client, tokenizer, cfg, lambda: queue.pop(0) if queue else None)
+        stream.start()
+        finished = stream.take(len(tickets), timeout_s=120)
+        assert stream.stop() == []  # nothing was cut off
+    assert sorted(f.ticket.group_id for f in finished) == [t.group_id for t in tickets]
+    assert stream.engine_idle_s() >= 0 and stream.busy_since_last()["rollout/time_generate_s"] > 0
+    key = lambda s: (s.group_id, s.traj_id, s.step_index)  # noqa: E731
+    for f in finished:
+        t = f.ticket
+        with EnvManager("sokoban", None, num_groups=1, group_size=2, backend="inline") as alone:
+            expected = run_rollout(alone, client, tokenizer, cfg, [t.seed], rollout_index=t.rollout_index,
+                                   first_group=t.group_id)
+        assert [key(s) for s in f.samples] == [key(s) for s in expected.samples]
+        for x, y in zip(f.samples, expected.samples):
+            assert (x.anchor, x.reward, x.done, x.episode_return) == (y.anchor, y.reward, y.done, y.episode_return)
+            assert x.response_ids == y.response_ids and x.prompt_ids == y.prompt_ids
+        assert sum(f.version_tokens.values()) == sum(len(s.response_ids) for s in f.samples)

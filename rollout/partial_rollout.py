@@ -1,0 +1,110 @@
+"""Partial rollouts: a response cut short by a weight update is finished under the new weights.
+
+A weight sync pauses the engines with mode "abort" (SGLang's `/pause_generation`; the
+embedded engine alike): each request in flight ends at once with `finish_reason` "abort"
+and the tokens it had. In asynchronous training (`training.mode=async`) the rollout does
+not stop for the sync, so such answers reach the agent loop. `in_flight_update` says what
+becomes of them:
+
+- "continue": the request is sent again with its prompt + the tokens so far as the prompt
+  and the rest of its token budget, and the answers are joined. Each token keeps the
+  weight version and the engine logprob it was sampled with (`GenerateOutput.token_versions`),
+  so the loss corrects each token by its own behaviour policy (the rollout-correction
+  settings: docs/algorithms.md). The engine recomputes the prefix's KV cache under the new
+  weights. A stop string that straddles the cut is not seen.
+- "restart": the tokens so far are thrown away and the request is sent again whole, so
+  every token of the answer comes from the new weights.
+
+A request continued `MAX_CONTINUATIONS` times is returned as aborted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+
+import numpy as np
+
+from rollout.episodes import Request
+
+IN_FLIGHT_UPDATES = ("continue", "restart")
+MAX_CONTINUATIONS = 16
+
+
+def token_versions(output) -> list[str]:
+    """The weight version of each output token (one answer: all its engine's version)."""
+    versions = getattr(output, "token_versions", None)
+    return list(versions) if versions else [output.weight_version] * len(output.output_ids)
+
+
+def joined(first, rest):
+    """One answer from an aborted answer `first` and the answer `rest` to its continuation
+    (whose prompt was first's prompt + first's tokens)."""
+    return dataclasses.replace(
+        rest, output_ids=list(first.output_ids) + list(rest.output_ids),
+        logprobs=list(first.logprobs) + list(rest.logprobs), text=first.text + rest.text,
+        token_versions=token_versions(first) + token_versions(rest),
+        # rest's routes cover its whole prompt (first's prompt and tokens) and its own tokens
+        routed_experts=rest.routed_experts if rest.routed_experts is not None else first.routed_experts)
+
+
+def continuation(request: Request, so_far, count: int) -> Request:
+    """The request that finishes `request` after the aborted tokens `so_far`."""
+    params = dict(request.params)
+    params["max_new_tokens"] = int(params.get("max_new_tokens", 0)) - len(so_far.output_ids)
+    if params.get("sampling_seed") is not None:  # new draws for the new positions
+        params["sampling_seed"] = int(np.random.SeedSequence([params["sampling_seed"], count]).generate_state(1,
+                                      np.uint64)[0] >> np.uint64(2))
+    return dataclasses.replace(
+        request, ids=list(request.ids) + list(so_far.output_ids), params=params, rid=f"{request.rid}-c{count}",
+        prompt_tokens=None if request.prompt_tokens is None else request.prompt_tokens + len(so_far.output_ids))
+
+
+def finishing_aborted(submit: Callable[[Request], Future], in_flight_update: str) -> Callable[[Request], Future]:
+    """`submit` (one request -> Future of its answer) whose answers cut by a weight update
+    are finished as `in_flight_update` says. Cancelling the returned Future before its
+    answer lands drops the rest."""
+    if in_flight_update not in IN_FLIGHT_UPDATES:
+        raise ValueError(f"in_flight_update={in_flight_update!r}; use one of {IN_FLIGHT_UPDATES}")
+
+    def submit_finished(request: Request) -> Future:
+        done: Future = Future()
+
+        def send(req: Request, so_far, count: int) -> None:
+            submit(req).add_done_callback(lambda f: landed(f, so_far, count))
+
+        def landed(answer: Future, so_far, count: int) -> None:
+            if done.cancelled():
+                return
+            try:
+                out = answer.result()
+            except BaseException as err:  # noqa: BLE001 - the caller's to see
+                _settle(done, error=err)
+                return
+            if so_far is not None:
+                out = joined(so_far, out)
+            budget_left = int(request.params.get("max_new_tokens", 1)) - len(out.output_ids)
+            if out.finish_reason != "abort" or count >= MAX_CONTINUATIONS:
+                _settle(done, result=out)
+            elif budget_left <= 0:
+                _settle(done, result=dataclasses.replace(out, finish_reason="length"))
+            elif in_flight_update == "restart" or not out.output_ids:
+                send(request, None, count + 1)
+            else:
+                send(continuation(request, out, count + 1), out, count + 1)
+
+        send(request, None, 0)
+        return done
+
+    return submit_finished
+
+
+def _settle(done: Future, result=None, error: BaseException | None = None) -> None:
+    try:
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+    except InvalidStateError:  # cancelled meanwhile
+        pass
