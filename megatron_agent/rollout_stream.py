@@ -5,8 +5,10 @@
 - async: the rollout workers play groups without end (rollout/group_stream.py) and the
   trainer takes each iteration's groups from those finished. Weights reach the engines
   while they generate: the weight sync aborts the requests in flight and each is finished
-  under the new weights (`loop.in_flight_update`, rollout/partial_rollout.py), its tokens
-  keeping the version and engine logprob each was sampled with.
+  under the new weights (`loop.in_flight_update`, rollout/partial_rollout.py), or
+  (`weight_sync.pause_mode=in_place`) holds them and they decode on over their KV cache;
+  either way each token keeps the engine logprob it was sampled with, and its weight
+  version where the engine reports it.
 
 Asynchronous training, in numbers. A group is numbered n = i * num_groups + g (its seed is
 group g's of iteration i in a synchronous run) and may start once the engines hold weights
@@ -14,7 +16,8 @@ of version i - max_staleness or newer, so the stream runs at most `max_staleness
 iterations ahead; `max_inflight_groups` groups play at once. An iteration takes the
 lowest-numbered finished groups (each worker its share), and drops those with tokens more
 than `max_staleness` versions behind the trainer (`async/dropped_groups`), which a group
-in flight across several updates can reach. The metrics: `async/token_lag_<k>` (the
+in flight across several updates can reach; the admission lets one more group start for
+each one dropped. The metrics: `async/token_lag_<k>` (the
 batch's response tokens k versions behind), `async/partial_samples` (samples whose
 tokens span a weight update), `async/engine_idle_fraction` (time the workers' streams had
 nothing in flight, since the last take), `async/trainer_idle_fraction` (the iteration's
@@ -47,7 +50,14 @@ class TrainingConfig:
 
 def training_problem(run) -> str | None:
     """What makes `run`'s training.mode unworkable (None: nothing)."""
+    from megatron_agent.weight_sync import PAUSE_MODES
+    from rollout.partial_rollout import IN_FLIGHT_UPDATES
+
     t = run.training
+    if run.weight_sync.pause_mode not in PAUSE_MODES:
+        return f"weight_sync.pause_mode={run.weight_sync.pause_mode!r}; choose one of {PAUSE_MODES}"
+    if run.loop.in_flight_update not in IN_FLIGHT_UPDATES:
+        return f"loop.in_flight_update={run.loop.in_flight_update!r}; choose one of {IN_FLIGHT_UPDATES}"
     if t.mode not in TRAINING_MODES:
         return f"training.mode={t.mode!r}; choose one of {TRAINING_MODES}"
     if t.max_staleness < 0:
@@ -71,12 +81,29 @@ def training_problem(run) -> str | None:
         return None
     if run.loop.mode != "async":
         return "training.mode=async plays the groups on the asynchronous loop: set loop.mode=async"
-    if run.rollout.workers > 1:
-        return (f"training.mode=async with rollout.workers={run.rollout.workers} is not supported yet "
-                "(one worker streams the groups): set rollout.workers=1")
     if run.algorithm.dynamic_sampling:
         return "training.mode=async with algorithm.dynamic_sampling is not supported yet"
     return None
+
+
+def stream_metrics(counts: list[dict[str, float]]) -> dict[str, float]:
+    """The iteration's async/* metrics and rollout clocks from each worker's counts
+    (rollout_worker.RolloutWorker.take_groups): token shares by version lag, the share of
+    samples spanning an update, groups dropped, the engines' idle share (the workers' idle
+    seconds over their seconds since the last take), and the slowest worker's clocks."""
+    total = {}
+    for c in counts:
+        for key, value in c.items():
+            total[key] = total.get(key, 0.0) + value
+    tokens = sum(v for k, v in total.items() if k.startswith("lag_tokens/")) or 1.0
+    out = {f"async/token_lag_{k.split('/')[1]}": total[k] / tokens
+           for k in sorted((k for k in total if k.startswith("lag_tokens/")), key=lambda k: int(k.split("/")[1]))}
+    out.update({"async/dropped_groups": total.get("dropped_groups", 0.0),
+                "async/partial_samples": total.get("partial_samples", 0.0) / max(total.get("samples", 0.0), 1.0),
+                "async/engine_idle_fraction": total.get("engine_idle_s", 0.0) / max(total.get("wall_s", 0.0), 1e-9)})
+    slowest = max(counts, key=lambda c: c.get("rollout/time_s", 0.0))
+    out.update({k: v for k, v in slowest.items() if k.startswith("rollout/")})
+    return out
 
 
 class RolloutStream:

@@ -89,6 +89,7 @@ class RolloutWorker:
         self.ready: list = []  # rollout.group_stream.FinishedGroup, not taken yet
         self.replay: list = []  # rollout.group_stream.GroupTicket of groups cut off in flight
         self.next_ticket = 0  # tickets issued, counted from the first iteration streamed
+        self.dropped = 0  # groups dropped as stale: as many more are admitted
         self.first_streamed = self.version = 0
         self.idle_mark: tuple[float, float] | None = None  # (engine idle s, time) at the last take
 
@@ -160,6 +161,8 @@ class RolloutWorker:
 
         config = self.config
         self.version = version
+        if self.stream is not None and self.stream.play.errors:  # it failed the last take: a new one
+            self._stop_stream()
         if self.stream is None:
             if not self.next_ticket:
                 self.first_streamed = iteration
@@ -179,37 +182,38 @@ class RolloutWorker:
                 oldest = min((weight_version_number(v) for v in group.version_tokens), default=version)
                 if version - oldest > config.training.max_staleness:
                     dropped += 1
+                    self.dropped += 1
                 else:
                     taken.append(group)
         samples = [s for g in taken for s in g.samples]
         self.held[iteration].samples += samples
         lags = version_lag_tokens(sum((Counter(g.version_tokens) for g in taken), Counter()), version,
                                   weight_version_number)
-        tokens = max(1, sum(lags.values()))
         idle_s, now = self.stream.engine_idle_s(), time.monotonic()
-        metrics = {f"async/token_lag_{k}": n / tokens for k, n in sorted(lags.items())}
-        metrics.update({
-            "async/dropped_groups": float(dropped),
-            "async/partial_samples": sum(len(set(s.token_versions)) > 1 for s in samples) / max(1, len(samples)),
-            "async/engine_idle_fraction": (idle_s - self.idle_mark[0]) / max(now - self.idle_mark[1], 1e-9),
-            **self.stream.busy_since_last()})
+        counts = {f"lag_tokens/{k}": float(n) for k, n in lags.items()}  # rollout_stream.stream_metrics
+        counts.update({"dropped_groups": float(dropped), "samples": float(len(samples)),
+                       "partial_samples": float(sum(len(set(s.token_versions)) > 1 for s in samples)),
+                       "engine_idle_s": idle_s - self.idle_mark[0], "wall_s": now - self.idle_mark[1],
+                       **self.stream.busy_since_last()})
         self.idle_mark = (idle_s, now)
         episodes = [[without_pixels(s) for s in g.samples] for g in taken[:1]]  # run_dir/samples: a group's
         return WorkerTry(sorted(g.ticket.group_id for g in taken), dropped, [e for g in taken for e in g.summaries],
-                         metrics, episodes)
+                         counts, episodes)
 
     def _admit(self):
         """The stream's next group (called under its lock), or None while it would start more
-        than training.max_staleness versions ahead of the engines' weights."""
+        than training.max_staleness versions ahead of the engines' weights (counting the
+        groups kept: one dropped as stale is made up for)."""
         from megatron_agent.samples import rollout_seeds
         from rollout.group_stream import GroupTicket
 
         if self.replay:
             return self.replay.pop(0)
         per_iteration = len(self.groups)
-        iteration = self.first_streamed + self.next_ticket // per_iteration
-        if iteration > self.version + self.config.training.max_staleness:
+        if (self.first_streamed + (self.next_ticket - self.dropped) // per_iteration
+                > self.version + self.config.training.max_staleness):
             return None
+        iteration = self.first_streamed + self.next_ticket // per_iteration
         g = self.groups[self.next_ticket % per_iteration]
         self.next_ticket += 1
         seed = rollout_seeds(self.config, iteration, 0)[g]

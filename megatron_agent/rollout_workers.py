@@ -248,16 +248,19 @@ class RolloutWorkers:
     def take_stream(self, iteration: int, urls: list[str]) -> Collected:
         """training.mode=async: iteration `iteration`'s groups from the workers' streams
         (rollout_stream.py), the engines holding weights `iteration`."""
+        from megatron_agent.rollout_stream import stream_metrics
         from rollout.agent_loop import summary_metrics
 
         self.calls = [[] for _ in range(self.count)]
         self.iteration_restarts = 0
         self.call("set_engines", [(list(urls),)] * self.count)
-        if not self.remote and self.on_progress is not None:
-            self.handles[0].on_progress = self.on_progress("the rollout stream")
-        tries = self.call("take_groups", [(iteration, iteration)] * self.count)
+        show = self.on_progress("the rollout stream") if self.on_progress is not None else None
+        if not self.remote:
+            self.handles[0].on_progress = show
+        with self._showing_progress(show):
+            tries = self.call("take_groups", [(iteration, iteration)] * self.count)
         metrics = summary_metrics([e for t in tries for e in t.summaries])
-        metrics.update(tries[0].metrics)  # one worker streams (rollout_stream.training_problem)
+        metrics.update(stream_metrics([t.metrics for t in tries]))
         return self._kept(iteration, None, metrics, tries[0].episodes)
 
     def _kept(self, iteration: int, chosen: list[int] | None, metrics: dict, episodes: list) -> Collected:

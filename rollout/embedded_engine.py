@@ -3,16 +3,19 @@
 engine: it takes weights by CUDA IPC handles or from disk; the broadcast receive path
 allocates on the host, gloo only).
 
-Generation: requests that arrive while a batch runs are queued and batched together (up
-to `max_batch_size`); a batch is left-padded, prefilled once, then decoded token by token
-with a KV cache; finished rows are dropped from the cache as they finish. Logprobs: each
-output token's log-probability under the distribution it was sampled from,
-log_softmax(logits / temperature), *before* top-k / top-p truncation (greedy:
-log_softmax(logits)). Sampling is seedable per request (`SamplingParams.sampling_seed`,
-any 64-bit integer). Invalid requests raise `BadRequest` (the HTTP layer checks each
-request's fields first: rollout/engine_requests.py). A batch that fails anyway is run
-again one request at a time, so a request that fails fails alone (`GenerationFailed`, its
-traceback logged) and the requests batched with it get their results.
+Generation: requests that arrive while a batch runs are queued and batched together (up to
+`max_batch_size`); a batch is left-padded, prefilled once, then decoded token by token with
+a KV cache; finished rows are dropped from the cache as they finish. Logprobs: each output
+token's log-probability under the distribution it was sampled from, log_softmax(logits /
+temperature), *before* top-k / top-p truncation (greedy: log_softmax(logits)). Each output
+token records the weight version it was sampled under: an answer whose tokens span a weight
+update (the engine paused in place, new weights loaded, resumed: its KV cache of the earlier
+tokens kept) carries them (`Completion.token_versions`). Sampling is seedable per request
+(`SamplingParams.sampling_seed`, any 64-bit integer). Invalid requests raise `BadRequest`
+(the HTTP layer checks each request's fields first: rollout/engine_requests.py). A batch
+that fails anyway is run again one request at a time, so a request that fails fails alone
+(`GenerationFailed`, its traceback logged) and the requests batched with it get their
+results.
 
 Vision-language models (config.json with a `vision_config`: transformers'
 AutoModelForImageTextToText and the model's image processor): a request may carry
@@ -124,6 +127,9 @@ class Completion:
     # when asked (an MoE model): int32 [prompt_tokens + len(output_ids) - 1, layers, k], the
     # experts each fed token went to (rollout/routed_experts.py)
     routed_experts: np.ndarray | None = None
+    # the weight version each output token was sampled under, when the request's tokens span
+    # a weight update (a pause in place, then new weights); None: all `weight_version`
+    token_versions: list[str] | None = None
 
 
 @dataclass
@@ -163,6 +169,7 @@ class _Row:
     seed: int  # with the token's position, picks each sampled token (rollout/token_sampler.py)
     out_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # the weight version of each output token
     finish: dict | None = None
     routes: list[np.ndarray] | None = None  # per forward, the fed tokens' [tokens, layers, k] expert ids
 
@@ -409,6 +416,7 @@ class Engine:
         with self.model_lock:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                 logits_to_keep=1, **extra, **{self.cache_kw: cache}).logits[:, -1, :].float()
+            version = self.weight_version
         record = self.routes is not None and any(r.routed_experts for r in batch)
         if record:  # each asking row's own (left-padded) prompt columns
             prefill = self.routes.take(len(batch), width)
@@ -429,6 +437,7 @@ class Engine:
                 if row.finish is None:
                     row.out_ids.append(picked[j])
                     row.logprobs.append(logprobs[j])
+                    row.versions.append(version)
                     self._check_finish(row, picked[j])
                 tokens.append(row.out_ids[-1] if row.out_ids else self.pad_id)
             keep = [j for j, i in enumerate(active) if rows[i].finish is None]
@@ -457,6 +466,7 @@ class Engine:
                 logits = self.model(input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
                                     attention_mask=mask, position_ids=step_positions, use_cache=True,
                                     **{self.cache_kw: cache}).logits[:, -1, :].float()
+                version = self.weight_version
             if record:  # one fed token per active row (a row's last sampled token is never fed)
                 step = self.routes.take(len(active), 1)
                 for j, i in enumerate(active):
@@ -483,6 +493,7 @@ class Engine:
             output_ids=row.out_ids, logprobs=row.logprobs, finish_reason=row.finish,
             prompt_tokens=len(req.input_ids), weight_version=self.weight_version,
             routed_experts=np.concatenate(row.routes) if row.routes else None,
+            token_versions=list(row.versions) if len(set(row.versions)) > 1 else None,
         )
         req.done.set()
 

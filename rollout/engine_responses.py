@@ -13,6 +13,10 @@ number (NaN, +-Infinity or null would poison the importance ratios), the logprob
 ids the output ids, ids non-negative integers. A malformed answer is the engine's fault:
 the client treats it as a failed server (rollout/engine_client.py).
 
+The embedded engine adds `meta_info.output_token_weight_versions` (one per output token)
+when a request's tokens span a weight update (paused in place); SGLang has no such field,
+so its answers' tokens all count as of their `weight_version`.
+
 Asked for routed experts (`route_shape`), each answer must carry them
 (`meta_info.routed_experts`, rollout/routed_experts.py) for its `prompt_tokens + len(output_ids) - 1`
 fed tokens; only a request aborted before it started (no output) may come without.
@@ -102,8 +106,13 @@ def generate_output(item, server: str, k: int = 0, route_shape: RouteShape | Non
     if type(version) not in (str, int):
         raise MalformedAnswer(f"{where}'s weight_version is neither a string nor an integer")
     routes = None if route_shape is None else _routes(meta, len(ids), route_shape, where)
+    versions = meta.get("output_token_weight_versions")  # the embedded engine's, across an in-place pause
+    if versions is not None and (type(versions) is not list or len(versions) != len(ids)
+                                 or any(type(v) not in (str, int) for v in versions)):
+        raise MalformedAnswer(f"{where}'s output_token_weight_versions is not one version per output token")
     return GenerateOutput(output_ids=ids, logprobs=[lp for lp, _ in pairs], finish_reason=kind, text=text,
-                          weight_version=str(version), server=server, routed_experts=routes), meta
+                          weight_version=str(version), server=server, routed_experts=routes,
+                          token_versions=None if versions is None else [str(v) for v in versions]), meta
 
 
 def _routes(meta: dict, outputs: int, shape: RouteShape, where: str) -> np.ndarray:

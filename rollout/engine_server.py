@@ -122,6 +122,8 @@ def completion_json(c: Completion, return_logprob: bool) -> dict:
     meta["engine_rank"] = c.rank  # not in SGLang: which of the engine's ranks served it
     if c.routed_experts is not None:
         meta["routed_experts"] = encode_routes(c.routed_experts)
+    if c.token_versions is not None:  # not in SGLang: the tokens span a weight update
+        meta["output_token_weight_versions"] = c.token_versions
     return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta}
 
 

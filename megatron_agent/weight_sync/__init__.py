@@ -2,7 +2,7 @@
 
 Every trainer rank calls `WeightSync.sync(version)` together:
 
-1. global rank 0 pauses generation, opens the update (`/begin_weight_update`), on a
+1. global rank 0 pauses generation (`pause_mode`), opens the update (`/begin_weight_update`), on a
    thread while it starts exporting stage 0 (whose source it is; nothing is announced
    before the update is open); the engines' caches are flushed by each announcement
    (`flush_cache`, SGLang's default) over a group, by `/flush_cache` before the update
@@ -64,6 +64,9 @@ class WeightSyncError(RuntimeError):
     """A weight sync that did not complete; the message names the engines at fault."""
 
 
+PAUSE_MODES = ("abort", "in_place")
+
+
 @dataclass
 class WeightSyncConfig:
     bucket_bytes: int = 512 * 2**20
@@ -89,6 +92,11 @@ class WeightSyncConfig:
     # + float32 weight_scale_inv per 128x128 block, SGLang's layout; weight_sync/fp8.py), and
     # the engines start from an FP8 checkpoint of the model. None: the training dtype.
     quantize: str | None = None
+    # How the engines pause for the update (SGLang's /pause_generation modes): "abort" ends
+    # the requests in flight with the tokens they have (the agent loop finishes them:
+    # loop.in_flight_update); "in_place" holds them, KV cache and all, and they decode on
+    # under the new weights (asynchronous training: docs/driver.md).
+    pause_mode: str = "abort"
     timeout_s: float = 300.0
     auth_token: str | None = None
 
@@ -195,6 +203,13 @@ class WeightSync:
             self.client.close()
         self.client, self.engine_ranks = None, None
 
+    @property
+    def flushes_cache(self) -> bool:
+        """Whether the update flushes the engines' prefix cache: not with requests held in
+        place, where SGLang refuses the flush and fails the update call (0.5.23,
+        `flush_cache_after_weight_update`), so the cache keeps prefixes of older weights."""
+        return self.config.pause_mode != "in_place"
+
     # --- one sync -------------------------------------------------------------------
 
     def sync(self, version: int | str) -> dict[str, float]:
@@ -209,7 +224,8 @@ class WeightSync:
             # bucket is loaded, so no flush of its own; tensor handles ask none)
             client = self._client()
             errors += [f"opening the update: {e}" for e in self._try(lambda: (
-                client.pause_generation("abort"), self.by_handles and client.flush_cache(),
+                client.pause_generation(self.config.pause_mode),
+                self.by_handles and self.flushes_cache and client.flush_cache(),
                 client.begin_weight_update()))]
         sent_bytes, buckets, in_place_bytes, checksums = 0, 0, 0, {}
         for stage in range(self.pp_size):
@@ -305,13 +321,14 @@ class WeightSync:
 
         def send(named, flat):
             send_weights(self._client(), self.group, named, self.group_name, weight_version=version,
-                         flattened=self.flattened, timeout_s=self.config.timeout_s, flat=flat)
+                         flattened=self.flattened, timeout_s=self.config.timeout_s, flat=flat,
+                         flush_cache=self.flushes_cache)
         return send
 
     def _announce(self, version: str):
         def announce(named):
             return announce_bucket(self._client(), named, self.group_name, weight_version=version,
-                                   flattened=False, timeout_s=self.config.timeout_s)
+                                   flattened=False, timeout_s=self.config.timeout_s, flush_cache=self.flushes_cache)
         return announce
 
     def _broadcast(self, tensor: torch.Tensor):
@@ -391,7 +408,7 @@ def _one_thread_on_cpu():
 
 def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, torch.Tensor]], group_name: str,
                  *, weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0,
-                 flat: torch.Tensor | None = None) -> list:
+                 flat: torch.Tensor | None = None, flush_cache: bool = True) -> list:
     """The sender's side of one bucket: announce it to every engine over HTTP and
     broadcast it from rank 0 of `pg` while they wait for it (one flattened uint8 tensor,
     or one broadcast per tensor in list order, all started at once). Call between
@@ -402,7 +419,8 @@ def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, t
 
     tensors = [t.detach() if flat is not None else t.detach().contiguous() for _, t in named_tensors]
     pending = announce_bucket(client, list(zip((n for n, _ in named_tensors), tensors)), group_name,
-                              weight_version=weight_version, flattened=flattened, timeout_s=timeout_s)
+                              weight_version=weight_version, flattened=flattened, timeout_s=timeout_s,
+                              flush_cache=flush_cache)
     if flattened:
         dist.broadcast(flat if flat is not None else flatten_bucket(tensors), src=0, group=pg)
     else:
@@ -411,7 +429,8 @@ def send_weights(client, pg: dist.ProcessGroup, named_tensors: list[tuple[str, t
 
 
 def announce_bucket(client, named_tensors: list[tuple[str, torch.Tensor]], group_name: str, *,
-                    weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0):
+                    weight_version: str | None = None, flattened: bool = True, timeout_s: float = 600.0,
+                    flush_cache: bool = True):
     """Post one bucket's names, dtypes and shapes to every engine
     (`/update_weights_from_distributed`); a Future of their answers (each engine answers
     once it received and loaded the bucket)."""
@@ -420,5 +439,5 @@ def announce_bucket(client, named_tensors: list[tuple[str, torch.Tensor]], group
     return client.update_weights_from_distributed(
         [n for n, _ in named_tensors], [dtype_name(t.dtype) for _, t in named_tensors],
         [list(t.shape) for _, t in named_tensors], group_name, weight_version=weight_version,
-        load_format="flattened_bucket" if flattened else None, timeout_s=timeout_s,
+        load_format="flattened_bucket" if flattened else None, flush_cache=flush_cache, timeout_s=timeout_s,
     )

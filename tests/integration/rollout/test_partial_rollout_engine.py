@@ -86,3 +86,55 @@ def test_a_response_across_a_weight_update_keeps_each_tokens_version_and_engine_
                           torch.ones(TOKENS - CUT_AFTER)])
     torch.testing.assert_close(weights[on], expected, atol=1e-3, rtol=1e-3)
     assert not torch.allclose(weights[on][:CUT_AFTER], torch.ones(CUT_AFTER), atol=1e-2)
+
+
+def test_a_response_held_in_place_across_a_weight_update_decodes_on_over_its_cache(tiny_model_dir):
+    """weight_sync.pause_mode=in_place: the engine holds the request between two decode
+    steps, takes new weights, and decodes on over the KV cache the old weights computed;
+    each token reports the version it was sampled under, through the server's answer."""
+    import threading
+
+    from rollout.engine_responses import generate_outputs
+    from rollout.engine_server import completion_json
+
+    model_dir = str(tiny_model_dir("qwen3"))
+    old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    engine = Engine(model_dir)
+    forwards, paused = [0], threading.Event()
+
+    def pause_after_forward(module, args, output):  # the forward that gives token CUT_AFTER's logits
+        forwards[0] += 1
+        if forwards[0] == CUT_AFTER:
+            engine.pause("in_place")
+            paused.set()
+
+    hook = engine.model.register_forward_hook(pause_after_forward)
+    prompt = [5, 17, 42, 9]
+    req = engine.submit(prompt, SamplingParams(temperature=1.0, ignore_eos=True, sampling_seed=3,
+                                               max_new_tokens=TOKENS), "r0")
+    assert paused.wait(60)
+    hook.remove()
+    engine.load_weights(list(new.state_dict().items()))
+    engine.set_weight_version("1")
+    engine.resume()
+    assert req.done.wait(60)
+    c = req.result
+    out = c.output_ids
+    assert len(out) == TOKENS and c.token_versions == ["default"] * CUT_AFTER + ["1"] * (TOKENS - CUT_AFTER)
+    (answer, _), = generate_outputs(completion_json(c, return_logprob=True), 1, "embedded")
+    assert answer.token_versions == c.token_versions and answer.weight_version == "1"
+
+    served = torch.tensor(c.logprobs)
+    torch.testing.assert_close(served[:CUT_AFTER], teacher_forced(old, prompt, out)[:CUT_AFTER], atol=1e-4, rtol=0)
+    with torch.no_grad():  # the old weights' cache of the prompt and the tokens fed before the pause
+        cache = old(torch.tensor([prompt + out[:CUT_AFTER - 1]]), use_cache=True).past_key_values
+        logits = new(torch.tensor([out[CUT_AFTER - 1:-1]]), past_key_values=cache, use_cache=True).logits[0]
+    over_kept_cache = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out[CUT_AFTER:])[:, None])[:, 0]
+    torch.testing.assert_close(served[CUT_AFTER:], over_kept_cache, atol=1e-4, rtol=0)
+    recomputed = teacher_forced(new, prompt, out)[CUT_AFTER:]  # what a recomputed cache would give
+    assert (recomputed - over_kept_cache).abs().max() > 1e-3
