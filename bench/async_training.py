@@ -5,17 +5,21 @@
 The rollout is the project's own (a rollout worker: megatron_agent/rollout_worker.py, its
 group stream and partial rollouts in async mode) on K fake engines reached through the
 real EngineClient (an in-process transport, as bench/rollout_scale.py). Each engine
-batches continuously (C requests at once, `token_ms` per output token: sleeps, so the
+batches continuously (C requests at once; a prefill of the request's ids plus
+`--prompt-tokens` more, an agent's prompt, then `token_ms` per output token: sleeps, so the
 simulation needs little CPU), answers at its weight version, and honours
-/pause_generation's abort: a running request ends at once with the tokens it has.
-Response lengths are lognormal and drawn from the request's sampling seed; an episode's
-length (steps) is lognormal too, drawn at its first step (median `--median-steps`, at most
-`--max-steps`): a few episodes take every step. The trainer is a sleep of `update_s` per
-iteration, then a weight sync: the engines are paused (abort), `sync_s` pass, their version
-moves on and they continue. Every mode trains the same iterations of `groups` groups.
+/pause_generation: "abort" ends a running request at once with the tokens it has (its
+continuation gives the rest of that answer, after a prefill of its longer prompt),
+"in_place" holds it to decode on after the pause. Response lengths are lognormal and drawn
+from the request's sampling seed; an episode's length (steps) is lognormal too, drawn at
+its first step (median `--median-steps`, at most `--max-steps`): a few episodes take every
+step. The trainer is a sleep of `update_s` per iteration, then a weight sync: the engines
+are paused, `sync_s` pass, their version moves on and they continue. Every mode trains the
+same iterations of `groups` groups: sync, overlap, async (pause "abort", answers continued),
+and async with `weight_sync.pause_mode=in_place`.
 
 Prints each mode's samples per second and the engines' idle share (time with no request
-running, averaged over the engines), and ends with
+running or prefilling, averaged over the engines), in place against abort, and ends with
 `async_training: async A samples/s, overlap O, sync S (engine idle a/o/s %)`.
 Never asserts a time.
 """
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rollout_scale import TOKEN, CountTokenizer, response_length  # noqa: E402
+from rollout_scale import TOKEN, CountTokenizer, in_process_transport, response_length  # noqa: E402
 
 from envs import EnvManager, Observation, make_info, register_env  # noqa: E402
 from megatron_agent.rollout_stream import TrainingConfig  # noqa: E402
@@ -101,49 +105,74 @@ class BusyClock:
 
 
 class PausableEngine:
-    """Continuous batching of `concurrency` requests at `token_s` per token, at weight
-    `version`; `pause()` (SGLang's abort mode) ends the running requests with the tokens
-    they have and holds new ones until `resume()`."""
+    """Continuous batching of `concurrency` requests at `token_s` per token after a prefill
+    of `prefill_s` per prompt token (the request's ids and `prompt_tokens` more, an agent's
+    prompt), at weight `version`. `pause("abort")` ends the running requests with the
+    tokens they have (a continuation, `-c<k>` after the request id, makes the rest of the
+    answer the first request was to give, after a prefill of its longer prompt);
+    `pause("in_place")` holds them, to decode on after `resume()`. New requests wait."""
 
-    def __init__(self, concurrency: int, token_s: float, median: float, sigma: float):
-        self.slots = threading.BoundedSemaphore(concurrency)
-        self.token_s, self.median, self.sigma = token_s, median, sigma
+    def __init__(self, args):
+        self.slots = threading.BoundedSemaphore(args.concurrency)
+        self.token_s, self.prefill_s = args.token_ms / 1000, args.prefill_ms_per_token / 1000
+        self.prompt_tokens, self.median, self.sigma = args.prompt_tokens, args.median_tokens, args.sigma
         self.cv = threading.Condition()
-        self.paused, self.epoch, self.version = False, 0, 0
+        self.paused, self.mode, self.epoch, self.version = False, None, 0, 0
+        self.left: dict[str, int] = {}  # a cut request's id -> the tokens its answer still has to give
         self.clock = BusyClock()
 
     def generate(self, body: dict) -> list[dict]:
         from concurrent.futures import ThreadPoolExecutor
 
-        params = body["sampling_params"]
+        params, ids, rids = body["sampling_params"], body["input_ids"], body.get("rid")
+        rids = rids if isinstance(rids, list) else [rids] * len(params)
         if len(params) == 1:
-            return [self._one(params[0])]
+            return [self._one(params[0], ids[0], rids[0])]
         with ThreadPoolExecutor(len(params)) as pool:
-            return list(pool.map(self._one, params))
+            return list(pool.map(self._one, params, ids, rids))
 
-    def _one(self, params: dict) -> dict:
-        n = response_length(params["sampling_seed"], self.median, self.sigma, params["max_new_tokens"])
+    def _one(self, params: dict, ids: list[int], rid: str | None) -> dict:
+        base = (rid or "").split("-c")[0]
         with self.cv:
-            while self.paused:
-                self.cv.wait()
+            n = self.left.pop(base, None)
+        if n is None:
+            n = response_length(params["sampling_seed"], self.median, self.sigma, params["max_new_tokens"])
+        n = min(n, params["max_new_tokens"])
+        with self.cv:
+            self.cv.wait_for(lambda: not self.paused)
             epoch = self.epoch
+        done, aborted = 0.0, False
         with self.slots:
             self.clock.change(+1)
-            start = time.perf_counter()
-            with self.cv:  # an abort (a new epoch) cuts the sleep short
-                self.cv.wait_for(lambda: self.epoch != epoch, timeout=n * self.token_s)
-                aborted, version = self.epoch != epoch, self.version
+            time.sleep((self.prompt_tokens + len(ids)) * self.prefill_s)
+            work = n * self.token_s
+            with self.cv:
+                while done < work and not aborted:
+                    if self.paused and self.mode == "in_place":  # held, its cache kept
+                        self.clock.change(-1)
+                        self.cv.wait_for(lambda: not self.paused)
+                        self.clock.change(+1)
+                    start = time.perf_counter()
+                    self.cv.wait_for(lambda: self.epoch != epoch or (self.paused and self.mode == "in_place"),
+                                     timeout=work - done)
+                    done += time.perf_counter() - start
+                    aborted = self.epoch != epoch
+                version = self.version
             self.clock.change(-1)
-        if aborted:
-            n = min(n - 1, int((time.perf_counter() - start) / self.token_s))
+        made = min(n, int(done / self.token_s)) if aborted else n
+        if aborted and base:
+            with self.cv:
+                self.left[base] = n - made
         finish = "abort" if aborted else ("length" if n == params["max_new_tokens"] else "stop")
-        return {"text": "", "output_ids": [TOKEN] * n,
-                "meta_info": {"output_token_logprobs": [(-1.0, TOKEN, None)] * n,
+        return {"text": "", "output_ids": [TOKEN] * made,
+                "meta_info": {"output_token_logprobs": [(-1.0, TOKEN, None)] * made,
                               "finish_reason": {"type": finish}, "weight_version": str(version)}}
 
-    def pause(self) -> None:
+    def pause(self, mode: str) -> None:
         with self.cv:
-            self.paused, self.epoch = True, self.epoch + 1
+            self.paused, self.mode = True, mode
+            if mode == "abort":
+                self.epoch += 1
             self.cv.notify_all()
 
     def resume(self, version: int) -> None:
@@ -152,20 +181,12 @@ class PausableEngine:
             self.cv.notify_all()
 
 
-def transport_to(fleet: dict[str, PausableEngine]):
-    def call(method, url, body=None, *, timeout_s=30.0, token=None):
-        base, path = url.rsplit("/", 1)
-        if path != "generate":
-            return 404, {"error": f"/{path} is not served by the fake engine"}
-        return 200, fleet[base].generate(body)
-
-    return call
-
-
 def run(mode: str, args) -> dict[str, float]:
-    fleet = {f"http://fake-{k}": PausableEngine(args.concurrency, args.token_ms / 1000, args.median_tokens, args.sigma)
-             for k in range(args.engines)}
-    client = EngineClient(list(fleet), max_inflight_per_engine=args.concurrency, transport=transport_to(fleet))
+    """`mode`: a training.mode, or "async-in-place" (async with weight_sync.pause_mode=in_place)."""
+    pause = "in_place" if mode == "async-in-place" else "abort"
+    mode = mode.replace("-in-place", "")
+    fleet = {f"http://fake-{k}": PausableEngine(args) for k in range(args.engines)}
+    client = EngineClient(list(fleet), max_inflight_per_engine=args.concurrency, transport=in_process_transport(fleet))
     loop = AgentLoopConfig(max_steps=args.max_steps, prompt=PromptConfig(memory="none", include_instructions=False),
                            sampling=SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0))
     config = RunConfig(env="bench_long_tail", num_groups=args.groups, group_size=args.group_size, loop=loop,
@@ -198,7 +219,7 @@ def run(mode: str, args) -> dict[str, float]:
             if ahead is not None:
                 ahead.join()
             for engine in fleet.values():
-                engine.pause()
+                engine.pause(pause)
             time.sleep(args.sync_s)
             for engine in fleet.values():
                 engine.resume(it + 1)
@@ -221,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--median-tokens", type=float, default=64)
     ap.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma of the response lengths")
     ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--prompt-tokens", type=int, default=2048, help="an agent's prompt, prefilled per request")
+    ap.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     ap.add_argument("--median-steps", type=float, default=4.0)
     ap.add_argument("--max-steps", type=int, default=40)
     ap.add_argument("--update-s", type=float, default=3.0, help="the trainer's update, per iteration")
@@ -234,16 +257,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         args.max_steps, args.token_ms = 10, 0.5
     print(f"{args.iterations} iterations of {args.groups} groups x {args.group_size} episodes (median "
           f"{args.median_steps:g} steps, at most {args.max_steps}); {args.engines} fake engines x {args.concurrency} "
-          f"running, {args.token_ms} ms/token, lognormal responses (median {args.median_tokens:g} tokens, sigma "
+          f"running, {args.token_ms} ms/token after a prefill of {args.prompt_tokens} + the ids at "
+          f"{args.prefill_ms_per_token} ms/token, lognormal responses (median {args.median_tokens:g} tokens, sigma "
           f"{args.sigma}); update {args.update_s} s + sync {args.sync_s} s; async: max_staleness "
           f"{args.max_staleness}, {args.inflight_groups} groups in flight", flush=True)
     results = {}
-    for mode in ("sync", "overlap", "async"):
+    for mode in ("sync", "overlap", "async", "async-in-place"):
         results[mode] = r = run(mode, args)
-        print(f"{mode:>8}: {r['samples']} samples in {r['wall']:.1f} s = {r['samples_per_s']:.1f} samples/s, "
+        print(f"{mode:>14}: {r['samples']} samples in {r['wall']:.1f} s = {r['samples_per_s']:.1f} samples/s, "
               f"engines idle {100 * r['idle']:.0f} %" + (f", {r['dropped']} groups dropped as stale"
-                                                          if mode == "async" else ""), flush=True)
-    a, o, s = (results[m] for m in ("async", "overlap", "sync"))
+                                                          if mode.startswith("async") else ""), flush=True)
+    a, o, s, k = (results[m] for m in ("async", "overlap", "sync", "async-in-place"))
+    print(f"in place (weight_sync.pause_mode=in_place, no prefill again): {k['samples_per_s']:.1f} samples/s, "
+          f"{k['samples_per_s'] / a['samples_per_s']:.2f}x async with abort and continue")
     print(f"async_training: async {a['samples_per_s']:.1f} samples/s, overlap {o['samples_per_s']:.1f}, sync "
           f"{s['samples_per_s']:.1f} (engine idle {100 * a['idle']:.0f}/{100 * o['idle']:.0f}/{100 * s['idle']:.0f} %)"
           f"; async / sync {a['samples_per_s'] / s['samples_per_s']:.2f}x")

@@ -245,7 +245,7 @@ def _rank_count(url: str, info: dict, key: str) -> int:
     return value
 
 
-def _settle(done: Future, result=None, error: BaseException | None = None) -> None:
+def settle_future(done: Future, result=None, error: BaseException | None = None) -> None:
     """Resolve a submitted request's Future unless its caller cancelled it meanwhile."""
     try:
         if error is not None:
@@ -405,7 +405,7 @@ class EngineClient:
         try:
             url = self._pick(key)
         except NoEngineLeft as e:
-            _settle(done, error=e)
+            settle_future(done, error=e)
             return
         with self.lock:
             if url not in self.lanes:
@@ -418,7 +418,7 @@ class EngineClient:
             lane.submit(self._run_queued, url)  # one call per request at most; later ones may find it sent
         except RuntimeError as e:  # closed
             self._release(url, key, failed=False)
-            _settle(done, error=EngineError(f"client closed: {e}"))
+            settle_future(done, error=EngineError(f"client closed: {e}"))
 
     def _run_queued(self, url: str) -> None:
         """One call with up to `requests_per_call` of the server's queued requests."""
@@ -445,7 +445,7 @@ class EngineClient:
             for q in items:
                 self._release(url, q.key, failed=True)
                 if q.attempt + 1 >= self.max_attempts:
-                    _settle(q.done, error=EngineError(f"request {q.rid} failed on {self.max_attempts} attempts "
+                    settle_future(q.done, error=EngineError(f"request {q.rid} failed on {self.max_attempts} attempts "
                                                       f"({self._dead_summary()})"))
                 else:
                     self._send(q.done, q.ids, q.params, q.rid, q.key, q.attempt + 1, q.image_data, q.prompt_tokens)
@@ -453,11 +453,11 @@ class EngineClient:
         except BaseException as e:  # noqa: BLE001 - handed to the callers
             for q in items:
                 self._release(url, q.key, failed=False)
-                _settle(q.done, error=e)
+                settle_future(q.done, error=e)
             return
         for q, out in zip(items, outs):
             self._release(url, q.key, failed=False)
-            _settle(q.done, result=out)
+            settle_future(q.done, result=out)
 
     def _release(self, url: str, key: str | None, failed: bool) -> None:
         with self.lock:

@@ -170,6 +170,7 @@ class GroupStream:
             self.stopped = True
             self.lock.notify_all()
         self.play.close()
+        self.play.env_pool.shutdown(wait=True)  # after a failure too: no lane still steps these envs
         with self.lock:
             cut = sorted((t for t in self.tickets if t is not None), key=lambda t: t.group_id)
             self.tickets = [None] * len(self.tickets)

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
 import numpy as np
 
+from rollout.engine_client import settle_future
 from rollout.episodes import Request
 
 IN_FLIGHT_UPDATES = ("continue", "restart")
@@ -80,15 +81,15 @@ def finishing_aborted(submit: Callable[[Request], Future], in_flight_update: str
             try:
                 out = answer.result()
             except BaseException as err:  # noqa: BLE001 - the caller's to see
-                _settle(done, error=err)
+                settle_future(done, error=err)
                 return
             if so_far is not None:
                 out = joined(so_far, out)
             budget_left = int(request.params.get("max_new_tokens", 1)) - len(out.output_ids)
             if out.finish_reason != "abort" or count >= MAX_CONTINUATIONS:
-                _settle(done, result=out)
+                settle_future(done, result=out)
             elif budget_left <= 0:
-                _settle(done, result=dataclasses.replace(out, finish_reason="length"))
+                settle_future(done, result=dataclasses.replace(out, finish_reason="length"))
             elif in_flight_update == "restart" or not out.output_ids:
                 send(request, None, count + 1)
             else:
@@ -99,12 +100,3 @@ def finishing_aborted(submit: Callable[[Request], Future], in_flight_update: str
 
     return submit_finished
 
-
-def _settle(done: Future, result=None, error: BaseException | None = None) -> None:
-    try:
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(result)
-    except InvalidStateError:  # cancelled meanwhile
-        pass

@@ -301,23 +301,34 @@ def test_overlapped_rollout_is_one_update_stale_and_resumes_exactly(tmp_path):
 
 
 def _run_killed_with_groups_in_flight(overrides: list[str], kill_in: int) -> list[dict]:
-    """The run, killed (SIGKILL) in iteration `kill_in` once its progress shows requests in flight."""
+    """The run, its engine killed after iteration 0 (the stream's requests fail, the engine is
+    restarted), then the run itself killed (SIGKILL) in iteration `kill_in` once its progress
+    shows requests in flight."""
     import os
     import signal
 
+    import psutil
+
     from megatron_agent.driver import train
     from megatron_agent.run_config import load_run_config
+
+    def kill_engine(row):
+        if row["iteration"] == 0:
+            for child in psutil.Process(os.getpid()).children(recursive=True):
+                if "rollout.engine_server" in " ".join(child.cmdline()):
+                    os.kill(child.pid, signal.SIGKILL)
 
     def kill(progress):
         if progress.iteration >= kill_in and progress.rollout and progress.rollout.requests_in_flight > 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return train(load_run_config(overrides), on_progress=kill)
+    return train(load_run_config(overrides), on_iteration=kill_engine, on_progress=kill)
 
 
 def test_async_training_killed_with_groups_in_flight_resumes_and_finishes(tmp_path):
-    """training.mode=async: the workers' stream plays on beside the update; a run killed while
-    its groups are in flight resumes from its last checkpoint and plays them again."""
+    """training.mode=async: the workers' stream plays on beside the update; an engine that dies
+    under the stream is restarted and a new stream plays on; a run killed while its groups
+    are in flight resumes from its last checkpoint and plays them again."""
     from megatron_agent.platform.launch import RankFailed
 
     common = ["num_groups=4", "group_size=4", "stop_success=null", "save_every=2", "seed=3", "val_every=0",
@@ -328,6 +339,9 @@ def test_async_training_killed_with_groups_in_flight_resumes_and_finishes(tmp_pa
         run_on_ranks(_run_killed_with_groups_in_flight, 1, [f"run_dir={run_dir}", "iterations=4", *common], 2,
                      timeout_s=300)
     assert (run_dir / "checkpoints" / "iter_000002" / "megatron_agent.json").exists()
+    killed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in killed][:2] == [0, 1] and killed[1]["engine/restarts"] == 1
+    assert killed[1]["train/num_episodes"] == 16  # the stream on the new engine gave the whole batch
     resumed = run_on_ranks(_run, 1, [f"run_dir={run_dir}", f"resume={run_dir}", f"model_dir={run_dir / 'model'}",
                                      "iterations=4", *common], timeout_s=300)[0]
     assert [row["iteration"] for row in resumed] == [0, 1, 2, 3]

@@ -28,15 +28,19 @@ def teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tenso
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
-def test_a_response_across_a_weight_update_keeps_each_tokens_version_and_engine_logprob(tiny_model_dir):
-    model_dir = str(tiny_model_dir("qwen3"))
+def engine_and_two_models(model_dir: str, seed: int):
+    """An engine on the model, the model in transformers, and the model perturbed (new weights)."""
     old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    engine = Engine(model_dir)
+    return Engine(model_dir), old, new
+
+
+def test_a_response_across_a_weight_update_keeps_each_tokens_version_and_engine_logprob(tiny_model_dir):
+    engine, old, new = engine_and_two_models(str(tiny_model_dir("qwen3")), seed=0)
 
     def submit(request: Request) -> Future:
         """The engine's answer; the first is cut after CUT_AFTER tokens as a weight sync's
@@ -97,14 +101,7 @@ def test_a_response_held_in_place_across_a_weight_update_decodes_on_over_its_cac
     from rollout.engine_responses import generate_outputs
     from rollout.engine_server import completion_json
 
-    model_dir = str(tiny_model_dir("qwen3"))
-    old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    engine = Engine(model_dir)
+    engine, old, new = engine_and_two_models(str(tiny_model_dir("qwen3")), seed=1)
     forwards, paused = [0], threading.Event()
 
     def pause_after_forward(module, args, output):  # the forward that gives token CUT_AFTER's logits
