@@ -17,11 +17,10 @@ iterations ahead; `max_inflight_groups` groups play at once. An iteration takes 
 lowest-numbered finished groups (each worker its share), and drops those with tokens more
 than `max_staleness` versions behind the trainer (`async/dropped_groups`), which a group
 in flight across several updates can reach; the admission lets one more group start for
-each one dropped. The metrics: `async/token_lag_<k>` (the
-batch's response tokens k versions behind), `async/partial_samples` (samples whose
-tokens span a weight update), `async/engine_idle_fraction` (time the workers' streams had
-nothing in flight, since the last take), `async/trainer_idle_fraction` (the iteration's
-time waiting for groups).
+each one dropped. The metrics: `async/token_lag_<k>` (the batch's response tokens k
+versions behind), `async/partial_samples` (samples whose tokens span a weight update),
+`async/engine_idle_fraction` (time the workers' streams had nothing in flight, since the
+last take), `async/trainer_idle_fraction` (the iteration's time waiting for groups).
 
 A checkpoint holds no group in flight: a resumed async run plays the groups from its
 checkpoint's iteration on again, on the resumed weights (sync and overlap resume
