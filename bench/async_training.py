@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--quick", action="store_true", help="2 iterations of 4 short groups (a test's size)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.iterations, args.groups, args.inflight_groups, args.update_s = 2, 4, 8, 0.2
-        args.max_steps, args.token_ms = 10, 0.5
+        args.iterations, args.groups, args.inflight_groups, args.update_s, args.sync_s = 2, 4, 8, 0.1, 0.05
+        args.max_steps, args.token_ms, args.prompt_tokens = 6, 0.3, 256
     print(f"{args.iterations} iterations of {args.groups} groups x {args.group_size} episodes (median "
           f"{args.median_steps:g} steps, at most {args.max_steps}); {args.engines} fake engines x {args.concurrency} "
           f"running, {args.token_ms} ms/token after a prefill of {args.prompt_tokens} + the ids at "

@@ -93,8 +93,8 @@ COMMANDS = {
     ".venv/bin/python bench/rollout_scale.py": Covered(
         "tests/unit/rollout/test_rollout_scale_bench.py::test_the_bench_runs_both_loops_to_the_same_samples",
         ('"bench" / "rollout_scale.py"', "bench.main([")),
-    ".venv/bin/python bench/minimal_loop.py": Run(("--quick",)),
     ".venv/bin/python bench/async_training.py": Run(("--quick",)),
+    ".venv/bin/python bench/minimal_loop.py": Run(("--quick",)),
     ".venv/bin/python bench/weight_sync.py": Run(("--layers", "1", "--hidden", "64", "--intermediate", "128",
                                                   "--buckets-mib", "1", "--repeats", "1")),
 }
