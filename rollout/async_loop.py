@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rollout.episodes import Request, Slot, Timeline
-from rollout.partial_rollout import finishing_aborted
+from rollout.partial_rollout import next_step
 from rollout.progress import ProgressCounter
 
 
@@ -85,8 +85,8 @@ class AsyncPlay:
         self.slots, self.timeline = slots, timeline
         self.progress = progress or ProgressCounter(0, None)
         self.on_episode_end = on_episode_end
-        submit, self.generate_pool = engine_submitter(engine)
-        self.submit = finishing_aborted(submit, slots[0].settings.in_flight_update) if slots else submit
+        self.submit, self.generate_pool = engine_submitter(engine)
+        self.in_flight_update = slots[0].settings.in_flight_update if slots else "continue"
         self.lock = threading.Lock()
         self.arrived: dict[tuple[int, int], list] = defaultdict(list)  # (slot, env worker) -> [(copy, prompt, output)]
         self.draining: set[tuple[int, int]] = set()
@@ -115,19 +115,27 @@ class AsyncPlay:
         slot = self.slots[k]
         prompt = slot.prompt(i)
         request = slot.request(i, prompt)
-        t0 = time.perf_counter()
+        self._send(k, i, prompt, request, (request, None, 0), time.perf_counter())
+
+    def _send(self, k: int, i: int, prompt, request: Request, sending: tuple, t0: float) -> None:
+        """Send `sending` (the request to send, the answer so far, how many sent before:
+        rollout/partial_rollout.py) for copy i's `request`."""
         self.progress.add(requests_in_flight=1)
-        future = self.submit(request)
+        future = self.submit(sending[0])
         with self.lock:
             self.in_flight.add(future)
-        future.add_done_callback(self.guarded(lambda f: self._generated(k, i, prompt, t0, f)))
+        future.add_done_callback(self.guarded(lambda f: self._generated(k, i, prompt, request, sending, t0, f)))
 
-    def _generated(self, k: int, i: int, prompt, t0: float, future: Future) -> None:
-        self.timeline.record("generate", t0, time.perf_counter())
+    def _generated(self, k: int, i: int, prompt, request: Request, sending: tuple, t0: float,
+                   future: Future) -> None:
         with self.lock:
             self.in_flight.discard(future)
         self.progress.add(requests_in_flight=-1)
-        output = future.result()
+        output, again = next_step(request, future.result(), sending[1], sending[2], self.in_flight_update)
+        if again is not None:  # cut by a weight update: sent again
+            self._send(k, i, prompt, request, again, t0)
+            return
+        self.timeline.record("generate", t0, time.perf_counter())
         lane = (k, self.slots[k].envs.worker_of(i))
         with self.lock:
             self.arrived[lane].append((i, prompt, output))

@@ -26,7 +26,6 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from rollout.engine_client import settle_future
 from rollout.episodes import Request
 
 IN_FLIGHT_UPDATES = ("continue", "restart")
@@ -62,41 +61,30 @@ def continuation(request: Request, so_far, count: int) -> Request:
         prompt_tokens=None if request.prompt_tokens is None else request.prompt_tokens + len(so_far.output_ids))
 
 
-def finishing_aborted(submit: Callable[[Request], Future], in_flight_update: str) -> Callable[[Request], Future]:
-    """`submit` (one request -> Future of its answer) whose answers cut by a weight update
-    are finished as `in_flight_update` says. Cancelling the returned Future before its
-    answer lands drops the rest."""
+def next_step(request: Request, answer, so_far, count: int, in_flight_update: str):
+    """After `answer` to the `count`-th sending of `request` (the first: 0; `so_far`: what
+    the earlier sendings gave, or None): (the finished answer, None), or (None, (the
+    request to send next, the answer so far, its count)) when a weight update cut it."""
+    if so_far is not None:
+        answer = joined(so_far, answer)
+    if answer.finish_reason != "abort" or count >= MAX_CONTINUATIONS:
+        return answer, None
+    if int(request.params.get("max_new_tokens", 1)) <= len(answer.output_ids):
+        return dataclasses.replace(answer, finish_reason="length"), None
+    if in_flight_update == "restart" or not answer.output_ids:
+        return None, (request, None, count + 1)
+    return None, (continuation(request, answer, count + 1), answer, count + 1)
+
+
+def finished_answer(submit: Callable[[Request], Future], request: Request, in_flight_update: str):
+    """`request`'s answer, sent again as `in_flight_update` says while a weight update cuts
+    it (`submit`: one request -> Future of its answer); blocks. (The asynchronous loop
+    does the same from its callbacks: rollout/async_loop.py.)"""
     if in_flight_update not in IN_FLIGHT_UPDATES:
         raise ValueError(f"in_flight_update={in_flight_update!r}; use one of {IN_FLIGHT_UPDATES}")
-
-    def submit_finished(request: Request) -> Future:
-        done: Future = Future()
-
-        def send(req: Request, so_far, count: int) -> None:
-            submit(req).add_done_callback(lambda f: landed(f, so_far, count))
-
-        def landed(answer: Future, so_far, count: int) -> None:
-            if done.cancelled():
-                return
-            try:
-                out = answer.result()
-            except BaseException as err:  # noqa: BLE001 - the caller's to see
-                settle_future(done, error=err)
-                return
-            if so_far is not None:
-                out = joined(so_far, out)
-            budget_left = int(request.params.get("max_new_tokens", 1)) - len(out.output_ids)
-            if out.finish_reason != "abort" or count >= MAX_CONTINUATIONS:
-                settle_future(done, result=out)
-            elif budget_left <= 0:
-                settle_future(done, result=dataclasses.replace(out, finish_reason="length"))
-            elif in_flight_update == "restart" or not out.output_ids:
-                send(request, None, count + 1)
-            else:
-                send(continuation(request, out, count + 1), out, count + 1)
-
-        send(request, None, 0)
-        return done
-
-    return submit_finished
-
+    sending, so_far, count = request, None, 0
+    while True:
+        answer, again = next_step(request, submit(sending).result(), so_far, count, in_flight_update)
+        if again is None:
+            return answer
+        sending, so_far, count = again

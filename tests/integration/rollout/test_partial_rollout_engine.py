@@ -16,7 +16,7 @@ from megatron_agent.worker_batches import batch_from_shards, compact_shard
 from rollout.embedded_engine import Engine, SamplingParams
 from rollout.engine_responses import GenerateOutput
 from rollout.episodes import Request
-from rollout.partial_rollout import finishing_aborted, token_versions
+from rollout.partial_rollout import finished_answer, token_versions
 from rollout.samples import StepSample
 
 CUT_AFTER, TOKENS = 3, 10
@@ -62,7 +62,7 @@ def test_a_response_across_a_weight_update_keeps_each_tokens_version_and_engine_
 
     prompt = [5, 17, 42, 9]
     request = Request(prompt, {"max_new_tokens": TOKENS, "sampling_seed": 3}, "r0-step0", "r0")
-    out = finishing_aborted(submit, "continue")(request).result()
+    out = finished_answer(submit, request, "continue")
 
     response = out.output_ids
     assert len(response) == TOKENS and out.finish_reason == "length"
