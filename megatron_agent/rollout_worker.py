@@ -68,12 +68,11 @@ class RolloutWorker:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer = tokenizer
         self.image_processor = load_image_processor(model_dir) if model_dir else None
-        self.streams = config.training.mode == "async"
         if envs is None:
             from envs import EnvManager
 
             played = len(self.groups)  # async: the worker's share of the groups in flight
-            if self.streams:
+            if config.training.mode == "async":
                 played = len(worker_groups(config.training.inflight_groups(config.num_groups),
                                            config.rollout.workers)[index])
             envs = EnvManager(config.env, config.env_config, num_groups=played,
@@ -91,7 +90,6 @@ class RolloutWorker:
         self.next_ticket = 0  # tickets issued, counted from the first iteration streamed
         self.dropped = 0  # groups dropped as stale: as many more are admitted
         self.first_streamed = self.version = 0
-        self.idle_mark: tuple[float, float] | None = None  # (engine idle s, time) at the last take
 
     def pid(self) -> int:
         import os
@@ -168,7 +166,6 @@ class RolloutWorker:
                 self.first_streamed = iteration
             self.stream = GroupStream(self.envs, self.engine, self.tokenizer, config.loop, self._admit,
                                       image_processor=self.image_processor, on_progress=self._report)
-            self.idle_mark = (0.0, time.monotonic())
             self.stream.start()
         else:
             self.stream.wake()
@@ -189,13 +186,10 @@ class RolloutWorker:
         self.held[iteration].samples += samples
         lags = version_lag_tokens(sum((Counter(g.version_tokens) for g in taken), Counter()), version,
                                   weight_version_number)
-        idle_s, now = self.stream.engine_idle_s(), time.monotonic()
         counts = {f"lag_tokens/{k}": float(n) for k, n in lags.items()}  # rollout_stream.stream_metrics
         counts.update({"dropped_groups": float(dropped), "samples": float(len(samples)),
                        "partial_samples": float(sum(len(set(s.token_versions)) > 1 for s in samples)),
-                       "engine_idle_s": idle_s - self.idle_mark[0], "wall_s": now - self.idle_mark[1],
-                       **self.stream.busy_since_last()})
-        self.idle_mark = (idle_s, now)
+                       **self.stream.clocks_since_last()})
         episodes = [[without_pixels(s) for s in g.samples] for g in taken[:1]]  # run_dir/samples: a group's
         return WorkerTry(sorted(g.ticket.group_id for g in taken), dropped, [e for g in taken for e in g.summaries],
                          counts, episodes)

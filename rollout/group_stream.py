@@ -15,8 +15,8 @@ loop (rollout/async_loop.py); a weight update in the middle of a response finish
 as `loop.in_flight_update` says (rollout/partial_rollout.py), so a group may hold tokens
 of several weight versions (`FinishedGroup.version_tokens`).
 
-`engine_idle_s()`: seconds so far with no request of the stream in flight;
-`busy_since_last()`: the generation and env seconds since its last call.
+`clocks_since_last()`: the wall, generation, env and engine-idle seconds (no request of
+the stream in flight) since its last call.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class GroupStream:
         self.finished: list[FinishedGroup] = []
         self.stopped = False
         self.in_flight, self.idle_s, self.idle_since = 0, 0.0, time.monotonic()
-        self.clock_mark = time.monotonic()
+        self.clock_mark, self.idle_mark = time.monotonic(), 0.0  # at the last clocks_since_last
         self.play = AsyncPlay([self.slot], engine, Timeline(), ProgressCounter(0, self._count), self._episode_ended)
 
     def start(self) -> None:
@@ -80,18 +80,17 @@ class GroupStream:
     def wake(self) -> None:
         """Every group that waits (ended, or never started) plays the next group admitted."""
         for g in range(len(self.tickets)):
-            with self.lock:
-                if self.stopped or self.tickets[g] is not None:
-                    continue
-            self._play_next(g)
+            with self.lock:  # a ticket is given and written in one hold: no group plays twice
+                ticket = self._admit_into(g) if self.tickets[g] is None else None
+            self._play(g, ticket)
 
-    def _play_next(self, g: int) -> None:
-        while True:
-            with self.lock:
-                ticket = None if self.stopped else self.admit()
-                self.tickets[g] = ticket
-            if ticket is None:
-                return
+    def _admit_into(self, g: int) -> GroupTicket | None:
+        """(Under the lock) group g's next ticket, written down: None when stopped or not admitted."""
+        self.tickets[g] = None if self.stopped else self.admit()
+        return self.tickets[g]
+
+    def _play(self, g: int, ticket: GroupTicket | None) -> None:
+        while ticket is not None:
             copies = self.slot.restart_group(g, ticket.group_id, ticket.seed, ticket.rollout_index)
             with self.lock:
                 self.playing[g] = set(copies)
@@ -99,7 +98,7 @@ class GroupStream:
                 self.play.start(0, i)
             if copies:
                 return
-            self._group_ended(g)  # every copy failed at reset: done as it starts
+            ticket = self._group_ended(g)  # every copy failed at reset: done as it starts
 
     def _episode_ended(self, play: AsyncPlay, k: int, i: int) -> None:
         g = i // self.slot.G
@@ -107,17 +106,17 @@ class GroupStream:
             self.playing[g].discard(i)
             if self.playing[g]:
                 return
-        self._group_ended(g)
+        self._play(g, self._group_ended(g))
 
-    def _group_ended(self, g: int) -> None:
+    def _group_ended(self, g: int) -> GroupTicket | None:
+        """Group g's episodes become a FinishedGroup; the group's next ticket."""
         episodes, failed = self.slot.take_group(g)
         samples, summaries = finished_episodes(episodes, failed, self.config.drop_failed_episodes)
         versions = Counter(v for s in samples for v in (s.token_versions or [s.weight_version] * len(s.response_ids)))
         with self.lock:
             self.finished.append(FinishedGroup(self.tickets[g], samples, summaries, dict(versions)))
-            self.tickets[g] = None
             self.lock.notify_all()
-        self._play_next(g)
+            return self._admit_into(g)
 
     def take(self, wanted: int = 0, timeout_s: float | None = None) -> list[FinishedGroup]:
         """The groups finished since the last take, once there are `wanted` of them (or the
@@ -133,19 +132,25 @@ class GroupStream:
             taken, self.finished = self.finished, []
             return taken
 
-    def busy_since_last(self) -> dict[str, float]:
-        """The rollout clocks (as `run_rollout`'s metrics) since the last call: wall
-        seconds, and those with generation and env steps under way; the intervals
-        recorded so far are let go."""
-        timeline, now = self.play.timeline, time.monotonic()
+    def clocks_since_last(self) -> dict[str, float]:
+        """Since the last call (or the start): the rollout clocks as `run_rollout`'s metrics
+        (wall seconds, and those with generation and env steps under way), and
+        `engine_idle_s` of `wall_s`, the seconds with nothing of the stream's in flight. The
+        intervals recorded so far are let go."""
+        timeline = self.play.timeline
         with timeline.lock:
             intervals, timeline.intervals = timeline.intervals, type(timeline.intervals)(list)
         done = Timeline(intervals)
-        wall, self.clock_mark = now - self.clock_mark, now
+        with self.lock:
+            now = time.monotonic()
+            idle = self.idle_s + (now - self.idle_since if self.in_flight == 0 else 0.0)
+            wall, idle_since_last = now - self.clock_mark, idle - self.idle_mark
+            self.clock_mark, self.idle_mark = now, idle
         busy = done.busy(["generate", "env"])
         return {"rollout/time_s": wall, "rollout/time_generate_s": done.busy(["generate"]),
                 "rollout/time_env_s": done.busy(["env"]),
-                "rollout/overhead_share": 1.0 - busy / wall if wall > 0 else 0.0}
+                "rollout/overhead_share": 1.0 - busy / wall if wall > 0 else 0.0,
+                "engine_idle_s": idle_since_last, "wall_s": wall}
 
     def _count(self, progress: RolloutProgress) -> None:
         now = time.monotonic()
@@ -157,11 +162,6 @@ class GroupStream:
             self.in_flight = progress.requests_in_flight
         if self.on_progress is not None:
             self.on_progress(progress)
-
-    def engine_idle_s(self) -> float:
-        """Seconds so far with nothing of the stream's in flight."""
-        with self.lock:
-            return self.idle_s + (time.monotonic() - self.idle_since if self.in_flight == 0 else 0.0)
 
     def stop(self) -> list[GroupTicket]:
         """No group starts any more and answers still to come are dropped; the tickets of

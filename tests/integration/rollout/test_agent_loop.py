@@ -196,7 +196,7 @@ def test_a_group_stream_plays_each_group_as_a_rollout_of_that_group_alone(client
         finished = stream.take(len(tickets), timeout_s=120)
         assert stream.stop() == []  # nothing was cut off
     assert sorted(f.ticket.group_id for f in finished) == [t.group_id for t in tickets]
-    assert stream.busy_since_last()["rollout/time_generate_s"] > 0
+    assert stream.clocks_since_last()["rollout/time_generate_s"] > 0
     key = lambda s: (s.group_id, s.traj_id, s.step_index)  # noqa: E731
     for f in finished:
         t = f.ticket
