@@ -132,7 +132,7 @@ def ray_with_two_fake_gpus():
     """A local Ray instance that counts 2 GPUs (Ray only counts them: none are needed)."""
     import ray
 
-    ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -96,7 +96,7 @@ def test_a_reset_that_kills_the_worker_is_retried():
 def test_ray_backend_matches_the_process_pool_and_survives_a_killed_actor():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         texts = [act(m) for m in ["up", "left", "down", "right"]] * 2
         results = {}
