@@ -16,7 +16,7 @@ APPWORLD_STAMP := $(VENV_APPWORLD)/.installed
 # (fast-downward-textworld, ALFWorld's planner); without them pip builds from source.
 FIND_LINKS := $(if $(wildcard ../shared/wheels),--find-links ../shared/wheels)
 
-.PHONY: train test test-fast bench doctor lint clean
+.PHONY: train test test-fast bench doctor lint clean chromium
 # The venvs of `make test` install side by side (mostly downloads and unpacking).
 MAKEFLAGS += --jobs=3
 
@@ -33,8 +33,17 @@ $(STAMP): pyproject.toml
 # `--quantize` need the quantize extra (nvidia-modelopt) too.
 TEST_EXTRAS_STAMP := $(VENV)/.installed-test-extras
 $(TEST_EXTRAS_STAMP): $(STAMP)
-	$(PY) -m pip install -q $(FIND_LINKS) -e ".[alfworld,quantize]"
+	$(PY) -m pip install -q $(FIND_LINKS) -e ".[alfworld,quantize,trackers,browser-test]"
 	touch $(TEST_EXTRAS_STAMP)
+
+# A real browser for the test of `megatron-agent show` (Playwright cannot download its own
+# here): Debian's Chromium, installed as root (or with sudo) when the machine has none.
+CHROMIUM := $(shell command -v chromium || command -v chromium-browser)
+chromium:
+ifeq ($(CHROMIUM),)
+	$(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq
+	$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+endif
 
 # torch first (the CPU build), then sglang without its CUDA dependencies, then its light
 # dependencies pinned, with torch held at the CPU build (sglang's declared CUDA-only
@@ -60,7 +69,7 @@ $(APPWORLD_STAMP):
 train: $(STAMP)
 	$(VENV)/bin/megatron-agent train $(ARGS)
 
-test: $(TEST_EXTRAS_STAMP) $(SGLANG_STAMP) $(APPWORLD_STAMP)
+test: $(TEST_EXTRAS_STAMP) $(SGLANG_STAMP) $(APPWORLD_STAMP) chromium
 	MEGATRON_AGENT_SGLANG_PYTHON=$${MEGATRON_AGENT_SGLANG_PYTHON:-$(abspath $(VENV_SGLANG))/bin/python} \
 	MEGATRON_AGENT_APPWORLD_PYTHON=$${MEGATRON_AGENT_APPWORLD_PYTHON:-$(abspath $(VENV_APPWORLD))/bin/python} \
 		$(PY) -m pytest -n 2 --dist loadgroup --durations=25 $(ARGS)
