@@ -69,7 +69,7 @@ class Goal:
     asin: str  # the product the instruction was written for
     instruction: str
     attributes: tuple[str, ...]
-    options: tuple[str, ...]  # option values
+    options: tuple[str, ...]  # option values, as the goal file writes them (colour words are case-sensitive)
     price_upper: float
     category: str
     query: str
@@ -188,7 +188,7 @@ def goals_from_records(products: tuple[Product, ...], human_ins: dict, seed: int
             if upper < NO_PRICE_BOUND and "price_upper" not in ins:
                 text += f", and price lower than {upper:.2f} dollars"
             goals.append(
-                Goal(product.asin, text, attributes, tuple(str(o).lower() for o in options), upper,
+                Goal(product.asin, text, attributes, tuple(str(o) for o in options), upper,
                      product.category, product.query, product.name, product.product_category)
             )
     return goals

@@ -67,6 +67,9 @@ class WebShopConfig:
     require_think: bool = True
     search_results: int = 50  # results kept per search (WebShop: 50)
     results_per_page: int = 10
+    # Options matched strictly (a size only by itself, colours not reduced to their colour
+    # word, a chosen option for one goal option); False: WebShop's rules (reward.py).
+    strict_options: bool = False
 
 
 def parse_webshop_action(text: object, require_think: bool = True) -> tuple[str, str] | None:
@@ -206,7 +209,7 @@ class WebShopEnv:
 
     def _buy(self) -> dict:
         product = self.catalogue.product(self.state.asin)
-        result = purchase_score(product, dict(self.state.options), self.goal)
+        result = purchase_score(product, dict(self.state.options), self.goal, self.config.strict_options)
         self.score = result.score
         self.state = replace(self.state, kind="done")
         return {"bought_asin": product.asin, "goal_asin": self.goal.asin, **result.as_info()}

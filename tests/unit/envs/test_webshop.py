@@ -3,7 +3,9 @@ whole episodes through EnvManager's worker processes."""
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +16,13 @@ from envs.webshop import load_published, purchase_score
 from envs.webshop.catalogue import parse_pricing
 from envs.webshop.env import catalogue_for, goal_for_seed
 from envs.webshop.generate import generated_records, write_generated_files
-from envs.webshop.reward import token_set_similarity, type_reward
+from envs.webshop.reward import (
+    attribute_matches,
+    normalized_colour,
+    option_hits,
+    token_set_similarity,
+    type_reward,
+)
 from tests.unit.envs.test_projection import texts
 from tests.unit.envs.webshop_fixture import write_fixture
 
@@ -121,7 +129,7 @@ def test_pricing_and_similarity_helpers():
     "asin, options, expected",
     [
         # r_type 1 (same query); attributes: "sulfate free" yes, "long lasting" no; options:
-        # lavender yes, 16 fl oz no (size is matched exactly); price 14-16 <= bound (>= 30).
+        # lavender yes, 16 fl oz no (8 fl oz is 83 % alike); price 14-16 <= bound (>= 30).
         ("B0BBBBBBB2", ("lavender", "8 fl oz"), 1.0 * (1 + 1 + 1) / (2 + 2 + 1)),
         # the goal's product with the wrong size: 2 attributes, 1 option, price
         ("B0AAAAAAA1", ("lavender", "8 fl oz"), (2 + 1 + 1) / 5),
@@ -160,6 +168,79 @@ def test_type_reward_levels(tmp_path):
     assert type_reward(a, goal).title_score == 1.0 and type_reward(b, goal).title_score == pytest.approx(1 / 3)
     assert type_reward(b, goal).query_match and type_reward(b, goal).category_match
     assert type_reward(c, goal).r_type == 0.0
+
+
+# -- the reward rules of WebShop's code (web_agent_site/engine/goal.py, normalize.py) --------
+# Expected values follow those rules by hand: get_option_reward counts the goal options
+# that any chosen option matches, token_set_ratio(chosen, goal) > 85 after normalize_color
+# on both; thefuzz 0.19's ratios are rounded to integers (fuzz.ratio, utils.intr).
+
+
+def test_similarity_is_thefuzz_token_set_ratio_rounded():
+    # {x, large} holds {large}: the shared words alone equal one side, 100.
+    assert token_set_similarity("x-large", "large") == 100
+    # No shared word: the two sides' difflib ratio, 2 * 23 / 54 = 85.19 %, rounds to 85,
+    # which is not > 85 (unrounded it would be).
+    assert token_set_similarity("abcdefghijklmnopqrstuvwxxxx", "abcdefghijklmnopqrstuvwyyyy") == 85
+    assert token_set_similarity("8 fl oz", "16 fl oz") == 83  # "fl oz" vs "fl oz 16": 2 * 5 / 12
+
+
+def test_colour_words_as_normalize_color():
+    # The first colour word in alphabetical order found inside the value, case-sensitive.
+    assert normalized_colour("light pink") == "light" and normalized_colour("olive green") == "green"
+    assert normalized_colour("standard") == "tan" and normalized_colour("Navy") == "Navy"
+    assert normalized_colour("unscented") == "unscented"
+
+
+@pytest.mark.parametrize(
+    "chosen, wanted, original, strict",
+    [
+        # {x, large} holds {large}: 100 there; strictly a size only matches itself.
+        ({"size": "x-large"}, ("large",), (True,), (False,)),
+        # "forest green", "olive green" -> "green", "green"; as written 70 % alike.
+        ({"color": "forest green"}, ("olive green",), (True,), (False,)),
+        # "black white" -> "black", not "white"; as written {black, white} holds {white}.
+        ({"color": "black white"}, ("white",), (False,), (True,)),
+        # One chosen option hits both goal options there; strictly it is used once.
+        ({"scent": "lavender"}, ("lavender", "lavender scent"), (True, True), (True, False)),
+    ],
+)
+def test_option_hits_by_hand(chosen, wanted, original, strict):
+    assert option_hits(chosen, wanted) == original
+    assert option_hits(chosen, wanted, strict=True) == strict
+
+
+def test_strict_options_setting_reaches_the_score(tmp_path):
+    """The fixture's goal with "16 fl oz bottle": chosen "16 fl oz" is a subset, so both
+    options hit there (score 1); strictly the size misses, (2 + 1 + 1) / 5."""
+    data_dir = write_fixture(tmp_path)
+    goals = json.loads((data_dir / FILES[2]).read_text(encoding="utf-8"))
+    goals["B0AAAAAAA1"][0]["instruction_options"] = ["lavender", "16 fl oz bottle"]
+    (data_dir / FILES[2]).write_text(json.dumps(goals), encoding="utf-8")
+    scores = []
+    for strict in (False, True):
+        env = make_env("webshop", data_dir=str(data_dir), reward_mode="score", strict_options=strict)
+        env.reset(0)
+        for action in ("search[shampoo]", "click[b0aaaaaaa1]", "click[lavender]", "click[16 fl oz]", "click[buy now]"):
+            *_, info = env.step(act(action))
+        scores.append(info["task_score"])
+    assert scores == [1.0, pytest.approx(0.8)]
+
+
+def test_attributes_and_type_as_the_original(tmp_path):
+    catalogue = load_published(write_fixture(tmp_path), *FILES[:3])
+    a, b, _ = catalogue.products
+    goal = catalogue.goals[0]
+    # "shampoo sulfate" spans the title's end and the first feature: not in either text;
+    # "Scent all day" is looked for as written in the lowercased texts; "scent all day"
+    # is in the description; "Sulfate Free" is 100 % alike the attribute "sulfate free".
+    attributes = ("shampoo sulfate", "Scent all day", "scent all day", "Sulfate Free")
+    assert attribute_matches(a, replace(goal, attributes=attributes)) == 2
+    # Category levels compared as split, blanks included: {A, B, ""} & {A, C, ""} is 2.
+    match = type_reward(replace(b, product_category="A › B › ", name="Shampoo"),
+                        replace(goal, product_category="A › C › ", name="Shampoo Shampoo Bar", query="x"))
+    assert match.category_match and not match.query_match
+    assert match.title_score == pytest.approx(1 / 3)  # over the goal title's nouns, repeats counted
 
 
 # -- whole episodes on the generated catalogue --------------------------------------------
