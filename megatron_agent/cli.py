@@ -1,4 +1,4 @@
-"""`megatron-agent` command line: doctor, init-model, train, plot."""
+"""`megatron-agent` command line: doctor, init-model, train, eval, plot, show."""
 
 from __future__ import annotations
 
@@ -223,6 +223,42 @@ def plot(args) -> int:
     return 0
 
 
+def show(args) -> int:
+    """One static HTML page of a run's sample episodes (samples/iter_N.json); it opens offline."""
+    from megatron_agent.episode_page import NoSamples, write_episode_page
+
+    if args.last is not None and args.last < 1:
+        print(f"error: --last {args.last}: give 1 or more iterations", file=sys.stderr)
+        return 2
+    try:
+        out = write_episode_page(args.run_dir, args.out, last=args.last)
+    except NoSamples as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def evaluate(args) -> int:
+    """Score a checkpoint on the env's held-out tasks through the training agent loop."""
+    import shlex
+
+    from megatron_agent.evaluate import EvalError, EvalRequest, run_eval
+
+    request = EvalRequest(checkpoint=args.checkpoint, compare=args.compare, num_samples=args.num_samples,
+                          num_tasks=args.num_tasks, split=args.split, out=args.out, overrides=list(args.overrides),
+                          command=shlex.join(["megatron-agent", *args.argv]))
+    try:
+        report = run_eval(request, say=lambda line: print(line, flush=True))
+    except (EvalError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print()
+    print(report.markdown, end="")
+    print(f"\nwrote {report.out / 'eval.json'} and {report.out / 'eval.md'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()  # the wall time a command reports counts from here
     parser = argparse.ArgumentParser(prog="megatron-agent", description=__doc__)
@@ -258,11 +294,31 @@ def main(argv: list[str] | None = None) -> int:
                    help="one curve per group of runs named alike but for a seed suffix (-seed0, _s1)")
     p.set_defaults(func=plot)
 
+    p = sub.add_parser("show", help="one static HTML page of a run's sample episodes (samples_every)")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/episodes.html)")
+    p.add_argument("--last", type=int, help="only the newest LAST sampled iterations (default: all)")
+    p.set_defaults(func=show)
+
+    p = sub.add_parser("eval", help="score a checkpoint on the env's held-out tasks, through the training agent loop")
+    p.add_argument("overrides", nargs="*", help="train's key=value overrides (env=..., env_config..., loop..., "
+                   "engine.urls=[...], model_dir=...); on a run's config.json when the model is a run's")
+    p.add_argument("--checkpoint", metavar="PATH", help="a Megatron checkpoint (a run's checkpoints/iter_N), a run "
+                   "directory (its latest checkpoint) or an HF model directory")
+    p.add_argument("--compare", metavar="PATH2", help="a second model, scored on the same tasks and seeds")
+    p.add_argument("--num-samples", type=int, default=1,
+                   help="samples per task (default 1: the validation sampling; more: the training sampling)")
+    p.add_argument("--num-tasks", type=int, help="tasks of the split (default: loop.validation.num_episodes)")
+    p.add_argument("--split", help="the env's split (default: its held-out tasks; docs/evaluation.md)")
+    p.add_argument("--out", help="where eval.json and eval.md go (default: RUN/eval/NAME-SPLIT, or ./eval/NAME-SPLIT)")
+    p.set_defaults(func=evaluate)
+
     args = parser.parse_args(argv)
     args.started = started
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
-    if args.command == "train":  # the progress bar is the output; keep the log to warnings
+    if args.command in ("train", "eval"):  # the bar, the table: the output; keep the log to warnings
         logging.getLogger().setLevel(logging.WARNING)
     return args.func(args)
 

@@ -23,6 +23,7 @@ import pickle
 import time
 from pathlib import Path
 
+from megatron_agent.episode_page import episode_records
 from megatron_agent.iteration_metrics import PhaseTimer, iteration_row
 from megatron_agent.launcher import launch
 from megatron_agent.progress import ProgressReporter, progress_path
@@ -42,6 +43,7 @@ from megatron_agent.run_dir import (
     rollout_ahead_file,
     write_sample_episodes,
 )
+from megatron_agent.trackers import open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +105,12 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
     def shown_as(label: str):
         return reporter.rollout(label) if reporter is not None else None
 
-    fleet = workers = val_envs = metrics_log = None
+    fleet = workers = val_envs = metrics_log = trackers = None
     try:
         fleet = EngineFleet(config, engine_model_dir_of(config), actor, leader=leader, launch_engines=launch_engines)
         if leader:
-            metrics_log = MetricsLog(run_dir, history)
+            metrics_log = MetricsLog(run_dir, history, tensorboard="tensorboard" in config.logging.backends)
+            trackers = open_trackers(config)  # W&B, MLflow: logging.backends
             refuse_copies_that_do_not_fit(config)
             workers = RolloutWorkers(config, str(model_dir), on_progress=shown_as)
             if config.val_every:
@@ -201,7 +204,10 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
             stop = False
             if leader:
                 if samples_due(config, iteration):
-                    write_sample_episodes(run_dir, iteration, collected.episodes)
+                    write_sample_episodes(run_dir, iteration, collected.episodes, episode_records(
+                        collected.episodes, workers.step_advantages(collected), tokenizer, config.loop.prompt,
+                        config.algorithm.similarity_threshold))
+                    trackers.log_samples(iteration, collected.episodes)
                 successes.append(collected.metrics["rollout/success_rate"])
                 metrics["train/policy_staleness"] = staleness
                 if config.training.mode == "async":
@@ -213,13 +219,14 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
                                     restarts=fleet.restarts)
                 history.append(row)
                 metrics_log.write(row)
+                trackers.log(row)
                 if on_iteration is not None:
                     on_iteration(row)
                 stop = config.stop_success is not None and row["train/success_moving_average"] >= config.stop_success
             if from_leader(stop):
                 break
     finally:
-        for part in (reporter, metrics_log, fleet, workers, val_envs):
+        for part in (reporter, metrics_log, trackers, fleet, workers, val_envs):
             if part is not None:
                 part.close()
     return history if leader else []

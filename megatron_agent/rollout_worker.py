@@ -38,7 +38,7 @@ class WorkerTry:
     dropped_groups: int
     summaries: list  # rollout.agent_loop.EpisodeSummary, one per episode
     metrics: dict[str, float]  # the worker's rollout metrics (timings among them)
-    episodes: list  # the first episodes asked for, as step samples (for run_dir/samples)
+    episodes: list  # the first whole groups' episodes asked for, as step samples (for run_dir/samples)
 
 
 @dataclass
@@ -134,7 +134,7 @@ class RolloutWorker:
             kept, dropped = [s for s, k in zip(kept, keep.keep) if k], keep.num_dropped
         self.held[iteration].samples += kept
         return WorkerTry(sorted({s.group_id for s in kept}), dropped, rollout.summaries, rollout.metrics,
-                         [[without_pixels(s) for s in e] for e in rollout.episodes[:keep_episodes]])
+                         [[shown_copy(s) for s in e] for e in whole_groups(rollout.episodes, keep_episodes, kept)])
 
     def _report(self, counts) -> None:
         self.latest_progress = counts
@@ -190,7 +190,7 @@ class RolloutWorker:
         counts.update({"dropped_groups": float(dropped), "samples": float(len(samples)),
                        "partial_samples": float(sum(len(set(s.token_versions)) > 1 for s in samples)),
                        **self.stream.clocks_since_last()})
-        episodes = [[without_pixels(s) for s in g.samples] for g in taken[:1]]  # run_dir/samples: a group's
+        episodes = [[shown_copy(s) for s in e] for g in taken[:1] for e in trajectories(g.samples)]  # a whole group
         return WorkerTry(sorted(g.ticket.group_id for g in taken), dropped, [e for g in taken for e in g.summaries],
                          counts, episodes)
 
@@ -261,6 +261,18 @@ class RolloutWorker:
             held.finished = (moments, done.advantages, done.returns)
         return held.finished[1], held.finished[2]
 
+    def step_advantages(self, iteration: int, steps: Sequence[tuple[int, int]], moments) -> list[float | None]:
+        """The advantages, as the trainer gets them (`shard`), of the kept samples `steps`
+        ((trajectory id, step index) pairs: the episodes of run_dir/samples); None for a step
+        this worker does not keep (another worker's, or a failed episode's)."""
+        held = self.held[iteration]
+        if held.finished is None and held.partial is not None:
+            self.advantages(iteration, moments)
+        if held.finished is None:  # GAE before the critic's values
+            return [None] * len(steps)
+        rows = {(s.traj_id, s.step_index): r for r, s in enumerate(held.samples)}
+        return [float(held.finished[1][rows[k]]) if k in rows else None for k in map(tuple, steps)]
+
     def samples(self, iteration: int) -> list:
         """The kept samples (a checkpoint of a rollout done ahead holds them)."""
         return self.held[iteration].samples
@@ -298,16 +310,44 @@ class HeldRollout:
     finished: tuple | None = None  # (moments, advantages, returns)
 
 
-def without_pixels(sample):
-    """A step sample for run_dir/samples, which shows its images' shapes only: the frames
-    stay on the worker."""
+def whole_groups(episodes: list[list], count: int, kept: list) -> list[list]:
+    """The episodes run_dir/samples shows: those of the first groups until there are at
+    least `count`, whole groups (so that their anchor-state groups are complete), of the
+    groups kept when dynamic sampling kept any (a dropped group has no advantages)."""
+    if count <= 0:
+        return []
+    kept_groups = {s.group_id for s in kept}
+    played = [e for e in episodes if e]
+    shown, groups = [], set()
+    for e in [e for e in played if e[0].group_id in kept_groups] or played:
+        if len(shown) >= count and e[0].group_id not in groups:
+            break
+        shown.append(e)
+        groups.add(e[0].group_id)
+    return shown
+
+
+def trajectories(samples: list) -> list[list]:
+    """Samples in (trajectory, step) order -> one list per trajectory."""
+    by_traj: dict[int, list] = {}
+    for s in samples:
+        by_traj.setdefault(s.traj_id, []).append(s)
+    return list(by_traj.values())
+
+
+def shown_copy(sample):
+    """A step sample for run_dir/samples: the current observation's image as it is (the
+    episode page shows it), the history's images as their shapes only and no processed
+    pixels (those frames stay on the worker)."""
     import dataclasses
     from types import SimpleNamespace
 
     if not sample.images and sample.pixel_values is None:
         return sample
-    return dataclasses.replace(sample, images=[SimpleNamespace(shape=tuple(im.shape)) for im in sample.images],
-                               pixel_values=None, image_grid_thw=None)
+    current = [entry == sample.history_entries for entry in sample.image_entries]
+    images = [im if i < len(current) and current[i] else SimpleNamespace(shape=tuple(im.shape))
+              for i, im in enumerate(sample.images)]
+    return dataclasses.replace(sample, images=images, pixel_values=None, image_grid_thw=None)
 
 
 def weight_version_number(version) -> int:

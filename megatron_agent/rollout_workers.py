@@ -93,7 +93,7 @@ class Collected:
     lengths: np.ndarray  # int64 [N]: tokens of each sample, in whole-batch order
     moments: object  # the whole batch's Moments (batch-wide estimators), else None
     metrics: dict[str, float]
-    episodes: list  # the first episodes, as step samples (for run_dir/samples)
+    episodes: list  # the first whole group's episodes, as step samples (for run_dir/samples)
     mean_weight_version: float
     positions: list[np.ndarray] = field(default_factory=list)  # per DP rank, once assigned (fetch_batch)
 
@@ -316,6 +316,15 @@ class RolloutWorkers:
     def fetch(self, iteration: int, sources: np.ndarray, moments) -> list[dict]:
         """(Local fetch) each worker's shard of `sources`, in worker order."""
         return self.call("shard", [(iteration, r, moments) for r in self.rows_of(sources)], record=False)
+
+    def step_advantages(self, collected: Collected) -> list[list[float | None]]:
+        """The advantages of `collected.episodes`' steps as the trainer gets them, from the
+        worker that keeps each (None: a step no worker keeps, e.g. a failed episode's)."""
+        steps = [(s.traj_id, s.step_index) for e in collected.episodes for s in e]
+        found = self.call("step_advantages", [(collected.iteration, steps, collected.moments)] * self.count,
+                          record=False)
+        flat = iter([next((a[i] for a in found if a[i] is not None), None) for i in range(len(steps))])
+        return [[next(flat) for _ in e] for e in collected.episodes]
 
     def snapshot(self, collected: Collected) -> dict:
         """A rollout done ahead, whole, for a checkpoint (`restore` reads it back)."""

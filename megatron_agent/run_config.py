@@ -23,6 +23,7 @@ from megatron_agent.placement import PlacementConfig, validate_colocation
 from megatron_agent.platform.parallel import ParallelConfig
 from megatron_agent.rollout_stream import TrainingConfig, training_problem
 from megatron_agent.rollout_workers import RolloutWorkersConfig
+from megatron_agent.trackers import LoggingConfig, logging_problem, resolve_logging
 from megatron_agent.training.actor import ActorConfig
 from megatron_agent.training.checks import LogprobCheckConfig
 from megatron_agent.warm_start import WarmStartConfig
@@ -85,6 +86,8 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)  # served vs trained logprobs
+    # Experiment trackers beside metrics.jsonl: tensorboard, wandb, mlflow (megatron_agent/trackers.py).
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -123,13 +126,15 @@ def resolve_defaults(run: RunConfig) -> None:
     """Defaults that depend on other sections, written into the config (so run_dir/config.json
     shows them): FP8 rollouts turn truncated importance sampling on (algorithm.tis_cap
     FP8_DEFAULT_TIS_CAP) unless a rollout correction is set; routing replay from the
-    rollout asks the engines for routes (engine.return_routed_experts)."""
+    rollout asks the engines for routes (engine.return_routed_experts); the trackers' run
+    name, W&B mode and MLflow store (logging.*, from run_dir and the environment)."""
     from megatron_agent.weight_sync.fp8 import FP8_DEFAULT_TIS_CAP
 
     if run.weight_sync.quantize == "fp8" and not run.algorithm.corrects_rollout:
         run.algorithm.tis_cap = FP8_DEFAULT_TIS_CAP
     if run.algorithm.routing_replay == "rollout":
         run.engine.return_routed_experts = True
+    resolve_logging(run.logging, run.run_dir)
 
 
 def _schema():
@@ -197,6 +202,9 @@ def validate_run_config(run: RunConfig) -> None:
         raise ConfigError(f"rollout.{err}") from None
     if run.stop_success is not None and not 0 < run.stop_success <= 1:
         raise ConfigError(f"stop_success={run.stop_success} must be in (0, 1]")
+    problem = logging_problem(run.logging)
+    if problem:
+        raise ConfigError(problem)
     validate_placement(run)
     validate_routing_replay(run)
     validate_quantized_rollout(run)

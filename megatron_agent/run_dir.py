@@ -8,8 +8,14 @@
       metrics.jsonl          one JSON row per iteration (rank 0)
       progress.json          where the current iteration is (phase, episodes, steps, requests in
                              flight), rewritten by rank 0 at most every 0.5 s (megatron_agent/progress.py)
-      tensorboard/           the same rows as TensorBoard scalars
-      samples/iter_N.txt     a few episodes as text, every samples_every iterations
+      tensorboard/           the same rows as TensorBoard scalars (logging.backends lists tensorboard)
+      trackers.json          the W&B and MLflow run ids a resumed run continues (megatron_agent/trackers.py)
+      wandb/, mlruns/        with logging.backends wandb / mlflow: W&B's run files, MLflow's default file store
+      samples/iter_N.txt     a few episodes (the first whole group) as text, every samples_every iterations
+      samples/iter_N.json    the same episodes for the episode page: per step the prompt, memory window,
+                             response, parsed action, reward, advantage, anchor-state group, image
+                             (megatron_agent/episode_page.py)
+      episodes.html          `megatron-agent show RUN_DIR`: those episodes as one static page
       checkpoints/iter_N/    the actor (a dist checkpoint); critic_checkpoints/ alike
       rollout_ahead/iter_N.pkl  with training.mode=overlap: iteration N's rollout, collected ahead
       engines/               the engine processes' logs
@@ -107,47 +113,59 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 class MetricsLog:
-    """metrics.jsonl and TensorBoard, opened with the rows a resumed run keeps."""
+    """metrics.jsonl and TensorBoard (unless logging.backends leaves it out), opened with the
+    rows a resumed run keeps."""
 
-    def __init__(self, run_dir: Path, history: list[dict]):
+    def __init__(self, run_dir: Path, history: list[dict], tensorboard: bool = True):
         from torch.utils.tensorboard import SummaryWriter
 
         self.file = (run_dir / "metrics.jsonl").open("w")
         for row in history:
             self.file.write(json.dumps(row) + "\n")
-        self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+        self.tensorboard = SummaryWriter(str(run_dir / "tensorboard")) if tensorboard else None
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         for key, value in row.items():
-            if key != "iteration" and isinstance(value, int | float):
+            if self.tensorboard is not None and key != "iteration" and isinstance(value, int | float):
                 self.tensorboard.add_scalar(key, value, row["iteration"])
 
     def close(self) -> None:
         self.file.close()
-        self.tensorboard.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
-def write_sample_episodes(run_dir: Path, iteration: int, episodes: list) -> None:
-    """A few trajectories as a person reads them: each step's prompt, response, reward."""
+def write_sample_episodes(run_dir: Path, iteration: int, episodes: list, records: list[dict] | None = None) -> None:
+    """A few trajectories as a person reads them: each step's prompt, response, reward
+    (iter_N.txt); with `records` (episode_page.episode_records of the same episodes) also
+    iter_N.json, what `megatron-agent show` makes its page of."""
     path = run_dir / "samples" / f"{checkpoint_name(iteration)}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
     for steps in episodes:
-        if not steps:
-            continue
-        first = steps[0]
-        lines.append(f"=== episode traj {first.traj_id} (group {first.group_id}, seed {first.env_seed}): "
-                     f"return {first.episode_return:g}, won {steps[-1].won}, {len(steps)} steps")
-        for s in steps:
-            lines.append(f"--- step {s.step_index}: reward {s.reward:g}, valid {s.is_action_valid}")
-            observation = s.observation or s.anchor
-            lines.append(f"observation: {observation}")
-            if isinstance(s.anchor, str) and s.anchor != observation:  # the state GiGPO groups by
-                lines.append(f"anchor: {s.anchor}")
-            if s.images:
-                lines.append("images: " + ", ".join("x".join(map(str, im.shape)) for im in s.images))
-            lines.append(f"response: {s.response_text!r}")
-        lines.append("")
+        if steps:
+            lines += [*episode_lines(steps), ""]
     path.write_text("\n".join(lines))
+    if records is not None:  # whole or not at all, for a page made while the run goes on
+        tmp = path.with_name(f".{path.stem}.json.tmp")
+        tmp.write_text(json.dumps({"iteration": iteration, "episodes": records}))
+        os.replace(tmp, path.with_suffix(".json"))
+
+
+def episode_lines(steps: list) -> list[str]:
+    """One episode (its StepSamples, in order; not empty) as the lines of samples/iter_N.txt."""
+    first = steps[0]
+    lines = [f"=== episode traj {first.traj_id} (group {first.group_id}, seed {first.env_seed}): "
+             f"return {first.episode_return:g}, won {steps[-1].won}, {len(steps)} steps"]
+    for s in steps:
+        lines.append(f"--- step {s.step_index}: reward {s.reward:g}, valid {s.is_action_valid}")
+        observation = s.observation or s.anchor
+        lines.append(f"observation: {observation}")
+        if isinstance(s.anchor, str) and s.anchor != observation:  # the state GiGPO groups by
+            lines.append(f"anchor: {s.anchor}")
+        if s.images:
+            lines.append("images: " + ", ".join("x".join(map(str, im.shape)) for im in s.images))
+        lines.append(f"response: {s.response_text!r}")
+    return lines
