@@ -71,7 +71,7 @@ class RunConfig:
     seed: int = 0
     save_every: int = 0  # iterations between checkpoints in run_dir/checkpoints (0: none)
     val_every: int = 0  # iterations between validation runs (loop.validation settings; 0: none)
-    samples_every: int = 0  # iterations between writing a few episodes as text (0: none)
+    samples_every: int = 0  # iterations between writing a group's episodes to samples/ (text, JSON; 0: none)
     # A run directory to continue from its last complete checkpoint (the same settings).
     resume: str | None = None
     # When the rollout runs beside the update: sync, overlap or async (megatron_agent/rollout_stream.py).

@@ -71,6 +71,13 @@ COMMANDS = {
         ('"megatron_agent.cli", "train", f"env={env}"', '"webshop"', "tiny_model.tokenizer=bpe"),
         helpers=("tests/integration/envs/env_job.py",)),
     ".venv/bin/megatron-agent plot runs/a runs/b --out compare.png": Run(),
+    ".venv/bin/megatron-agent show runs/cpu-default": Run(),
+    ".venv/bin/megatron-agent eval --checkpoint runs/cpu-default --compare runs/cpu-default/model --num-samples 4":
+        Covered("tests/integration/test_eval.py::test_the_comparison_table_and_json",
+                ('"--checkpoint", str(run), "--compare", str(run / "model"), "--num-samples"',)),
+    ".venv/bin/megatron-agent train 'logging.backends=[tensorboard,wandb,mlflow]'": Covered(
+        "tests/integration/test_trackers.py::test_a_resumed_run_continues_both_tracker_runs_with_each_iteration_once",
+        ('"logging.backends=[tensorboard,wandb,mlflow]"',)),
     ".venv/bin/python bench/gigpo_vs_grpo.py": Run(("--quick",)),
     ".venv/bin/megatron-agent doctor": Run(),
     ".venv/bin/megatron-agent init-model --family qwen3_moe --preset tiny --out models/moe": Run(),
@@ -188,6 +195,11 @@ def test_readme_commands_run_as_written(tmp_path):
             assert "Warning" not in out.stderr, out.stderr
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             assert [row["iteration"] for row in rows] == [0, 1, 2]
+        elif words[1:2] == ["show"]:  # the first run's samples (samples_every=1): iterations 0 and 1
+            assert out.stdout.strip() == f"wrote {Path('runs/cpu-default/episodes.html')}"
+            page = (run_dir / "episodes.html").read_text()
+            assert page.index('<option value="1">') < page.index('<option value="0">')  # newest first
+            assert "Target:" in page  # NumberLine's observation
         elif words[1:2] == ["plot"]:
             assert "wrote compare.png" in out.stdout and "|  | a | b |" in out.stdout
             assert (tmp_path / "compare.png").stat().st_size > 10_000
