@@ -169,7 +169,7 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
                     checked.update(batch_rollout_gap(batch, prefix=f"{quantized}/"))
                 if batch.old_logprobs is not None:
                     checked.update(batch_mismatch_by_turn(batch, config.algorithm, routing))
-                if actor.reference is not None:  # built for an active KL loss only
+                if actor.has_reference:  # an active KL loss
                     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True,
                                                                 with_entropy=False)["logprobs"]
                 if "routes" in old:  # R2: the update routes as the old policy did (the reference did not)

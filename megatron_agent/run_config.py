@@ -207,6 +207,7 @@ def validate_run_config(run: RunConfig) -> None:
         raise ConfigError(problem)
     validate_placement(run)
     validate_routing_replay(run)
+    validate_lora(run)
     validate_quantized_rollout(run)
     validate_prompt_fits_context(run)
     validate_tokenizer_reads_the_env(run, env_copy)
@@ -291,6 +292,16 @@ def validate_placement(run: RunConfig) -> None:
             raise ConfigError(str(err)) from None
     if run.engine.server == "sglang" and not run.engine.urls and run.placement.launcher != "ray":
         raise ConfigError("engine.server='sglang' is started by placement.launcher=ray (or give engine.urls)")
+
+
+def validate_lora(run: RunConfig) -> None:
+    """actor.lora: adapters on the policy's local-spec linears (models/lora.py)."""
+    if run.critic.lora.enabled:
+        raise ConfigError(f"critic.lora.rank={run.critic.lora.rank}: the critic trains every weight (LoRA is "
+                          "built for the actor); set critic.lora.rank=0")
+    if run.actor.lora.enabled and run.actor.layer_spec == "transformer_engine":
+        raise ConfigError("actor.lora with actor.layer_spec=transformer_engine: adapters are built on the local "
+                          "layer spec's linears only so far; set actor.layer_spec=local")
 
 
 def validate_routing_replay(run: RunConfig) -> None:

@@ -39,6 +39,7 @@ from megatron_agent.models.families.common import (
     ROWS,
     VOCAB,
 )
+from megatron_agent.models.lora import exported_parameters
 from megatron_agent.models.safetensors_io import TensorEntry, read_header, read_tensor
 from megatron_agent.models.transformer_config import num_experts, padded_vocab_size, read_hf_config
 
@@ -484,6 +485,7 @@ def export_hf_weights(chunks: list, hf: dict, out: Destination | None = None) ->
     with their global index (local index + ep_rank * experts per rank). The tensors are
     views of the parameters where the layout allows; q/k/v are copied out of their
     groups, into `out(hf_name, shape, dtype)`'s memory where it gives some (a bucket).
+    A linear with a LoRA adapter is exported merged (models/lora.py).
     """
     from megatron.core import parallel_state as ps
 
@@ -494,11 +496,10 @@ def export_hf_weights(chunks: list, hf: dict, out: Destination | None = None) ->
 
     def fulls():
         for chunk in chunks:
-            for name, param in chunk.named_parameters():
+            for name, local in exported_parameters(chunk):
                 m = bridge.mapping(chunk, name)
                 if not m.rule.export:
                     continue
-                local = param.detach()
                 if m.rule.split != REPLICATED:
                     local = unshard(m.rule.split, _all_gather(local, _tp_group(m.is_expert)))
                 if m.is_expert:

@@ -23,7 +23,7 @@ import logging
 import multiprocessing as mp
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,7 @@ from megatron_agent.models.bridge import export_hf_weights, load_hf_weights, pac
 from megatron_agent.models.builder import build_model
 from megatron_agent.models.checkpoint import DTYPES, copy_hf_side_files, model_state, read_mcore_metadata
 from megatron_agent.models.families import family_of
+from megatron_agent.models.lora import LoraConfig, adapters_off, add_lora, lora_sharded_state
 from megatron_agent.models.transformer_config import num_experts, read_hf_config
 from megatron_agent.platform.collectives import all_reduce, broadcast
 from megatron_agent.platform.distributed import control_group
@@ -83,8 +84,11 @@ class ActorConfig:
     fp8_recipe: str | None = None
     keep_checkpoints: int = 2
     seed: int = 1234
+    # Low-rank adapters: the base frozen, only they train and are checkpointed (models/lora.py).
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
+        self.lora.validate()
         for name in ("lr", "max_tokens_per_micro_batch", "ppo_epochs", "num_mini_batches"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"actor.{name}={getattr(self, name)} must be > 0")
@@ -98,6 +102,7 @@ class Actor:
     # algorithm.routing_replay=rollout routes this model's forwards (and its reference's) by
     # the engines' expert ids, the batch's routed_experts (training/routing_replay.py)
     REPLAYS_ROUTING = True
+    HAS_REFERENCE = True  # a frozen initial policy for the KL loss, when it is active
 
     def __init__(
         self,
@@ -123,6 +128,9 @@ class Actor:
                      init_weights=False, routing_replay=self.replays_routing)
 
         chunks = self._build_chunks(build)
+        self.lora = config.lora if config.lora.enabled else None
+        if self.lora:
+            add_lora(chunks, self.lora, seed=config.seed)
         self.chunks = chunks  # unwrapped, for checkpoints and export
         distributed = config.use_distributed_optimizer
         if distributed is None:
@@ -149,8 +157,21 @@ class Actor:
             lr_decay_style=config.lr_decay_style if decay else "constant",
             start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
         )
-        self.reference = self._build_reference(build)
+        # With LoRA the reference is the actor with its adapters off: no second model.
+        self.has_reference = algorithm.kl_loss_active and self.HAS_REFERENCE
+        self.reference = self._build_reference(build) if self.has_reference and not self.lora else None
         self.step = 0
+        self._report_trainable()
+
+    def _report_trainable(self) -> None:
+        """Log, once, the trainable parameters of the whole model and the optimizer's bytes for them."""
+        trainable, total = (_count_once(self.chunks, trainable_only) for trainable_only in (True, False))
+        self.trainable_parameters = trainable
+        per_param = 8 + (4 if self.config.params_dtype != "fp32" else 0)  # Adam's moments (+ an fp32 main copy)
+        if dist.get_rank() == 0:
+            what = f"LoRA rank {self.lora.rank} on {', '.join(self.lora.targets)}" if self.lora else "every weight"
+            log.info("%s: %s trainable parameters of %s (%s), optimizer state %s", type(self).__name__.lower(),
+                     f"{trainable:,}", f"{total:,}", what, _bytes(trainable * per_param))
 
     def _build_chunks(self, build: dict) -> list:
         chunks = build_model(self.hf, self.parallel, **build)
@@ -158,9 +179,7 @@ class Actor:
         return chunks
 
     def _build_reference(self, build: dict) -> list | None:
-        """A frozen copy of the initial policy, when the KL loss needs one."""
-        if not self.algorithm.kl_loss_active:
-            return None
+        """A frozen copy of the initial policy, for the KL loss."""
         reference = build_model(self.hf, self.parallel, **build)
         load_hf_weights(reference, self.model_dir)
         for chunk in reference:
@@ -277,9 +296,10 @@ class Actor:
         differs from the engine's, decisions), over every layer and fed token.
         `record_routing` (MoE): also "routes", the experts this pass routed every fed token
         to, [N, L-1, layers, k] as `TrainBatch.routed_experts` (routing_replay=recompute)."""
-        chunks = self.reference if reference else self.model
-        if chunks is None:
+        if reference and not self.has_reference:
             raise RuntimeError("no reference model: the algorithm uses no KL loss")
+        base_only = reference and self.reference is None  # LoRA: the actor without its adapters
+        chunks = self.model if base_only or not reference else self.reference
         shard = self._shard(batch)
         logprobs, entropy = {}, {}
 
@@ -299,7 +319,8 @@ class Actor:
         watch = RoutingWatch(shard.size) if watch_routing else None
         record = (RoutingRecord(shard.size, shard.tokens.shape[1] - 1, self.hf["num_hidden_layers"],
                                 self.hf["num_experts_per_tok"]) if record_routing else None)
-        with (torch.no_grad(), on_every_router(chunks, watch) if watch else contextlib.nullcontext(),
+        with (torch.no_grad(), adapters_off(self.chunks) if base_only else contextlib.nullcontext(),
+              on_every_router(chunks, watch) if watch else contextlib.nullcontext(),
               on_every_router(chunks, record) if record else contextlib.nullcontext()):
             if micro := self._forward_micro_batches(shard):
                 run_schedule(chunks, micro, keep, forward_only=True)
@@ -352,7 +373,7 @@ class Actor:
     def _prepare_update(self, batch: TrainBatch) -> None:
         if batch.advantages is None:
             raise ValueError("update needs batch.advantages")
-        if self.reference is not None and batch.ref_logprobs is None:
+        if self.has_reference and batch.ref_logprobs is None:
             batch.ref_logprobs = self.compute_logprobs(batch, reference=True, with_entropy=False)["logprobs"]
         if batch.old_logprobs is None and (self.config.ppo_epochs > 1 or self.config.num_mini_batches > 1):
             raise ValueError("several epochs or mini-batches need batch.old_logprobs (compute_logprobs first)")
@@ -445,7 +466,8 @@ class Actor:
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-        state = model_state(self.chunks)
+        # With LoRA the base stays the model directory: the checkpoint holds the adapters.
+        state = {"lora": lora_sharded_state(self.chunks)} if self.lora else model_state(self.chunks)
         # The distributed optimizer's checkpoint reshards over DP only ("dp_reshardable";
         # its fully reshardable format needs Apex/TE's Adam). The plain optimizer's state is
         # keyed by parameter, reshardable to any layout, without the chained-optimizer
@@ -483,6 +505,7 @@ class Actor:
             (tmp / "megatron_agent.json").write_text(json.dumps({
                 "format": "megatron-agent mcore checkpoint", "family": family_of(self.hf).name,
                 "dtype": self.config.params_dtype, "saved_at_layout": self._layout(), "step": self.step,
+                **({"lora": asdict(self.lora), "base_model": str(self.model_dir.resolve())} if self.lora else {}),
             }, indent=2))
             if directory.exists():
                 shutil.rmtree(directory)
@@ -500,7 +523,13 @@ class Actor:
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
-        saved = read_mcore_metadata(directory)["saved_at_layout"]
+        metadata = read_mcore_metadata(directory)
+        saved = metadata["saved_at_layout"]
+        saved_lora = metadata.get("lora")
+        if saved_lora != (asdict(self.lora) if self.lora else None):
+            raise ValueError(f"{directory} holds {'LoRA adapters ' + str(saved_lora) if saved_lora else 'a whole model'}; "
+                             f"this actor has actor.lora={asdict(self.lora) if self.lora else 'off (rank 0)'}: "
+                             "resume with the settings it was saved with")
         if (saved.get("ep", 1) > 1) != (self.parallel.ep > 1) and family_of(self.hf).moe:
             # Megatron keeps expert and dense optimizer states in separate optimizers when
             # ep > 1 and in one when ep == 1; their checkpoints do not map onto each other.
@@ -513,6 +542,8 @@ class Actor:
             materialize_adam_state(self.optimizer)
         state = self._state(is_loading=True)
         same_layout = saved == self._layout()
+        # the parameters behind the adapters' keys (load rewrites the state's entries)
+        params = {key: sharded.data for key, sharded in state.get("lora", {}).items()}
         if not same_layout:
             state.pop("rng_state")
         with warnings.catch_warnings():
@@ -523,8 +554,13 @@ class Actor:
             warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
                                     "ShardedTensor", category=FutureWarning, module=r"torch\.distributed\.checkpoint\.")
             loaded = dist_checkpointing.load(state, str(directory))
-        for i, chunk in enumerate(self.chunks):
-            chunk.load_state_dict(loaded[f"model{i}"])
+        if self.lora:
+            with torch.no_grad():
+                for key, tensor in loaded["lora"].items():
+                    params[key].copy_(tensor)
+        else:
+            for i, chunk in enumerate(self.chunks):
+                chunk.load_state_dict(loaded[f"model{i}"])
         with torch.no_grad():  # fp32 distributed optimizer: its shards are views of the params
             self.optimizer.load_state_dict(loaded["optimizer"])
         if self.distributed_optimizer:
@@ -536,6 +572,34 @@ class Actor:
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
             torch.set_rng_state(rng["torch"])
+
+
+def _count_once(chunks: list, trainable_only: bool) -> int:
+    """Parameters of the whole model (every stage and shard, each once), on every rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    local = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if (trainable_only and not p.requires_grad) or getattr(p, "shared", False):
+                continue  # a tied output layer is the embedding's copy
+            expert = not getattr(p, "allreduce", True)
+            dp_rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
+            if dp_rank == 0 and param_is_not_tensor_parallel_duplicate(p):
+                local += p.numel()
+    count = torch.tensor([local], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, group=control_group())
+    return int(count.item())
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 # What a rank with no sample runs to join its peers' collectives.

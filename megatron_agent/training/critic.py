@@ -49,6 +49,7 @@ class Critic(Actor):
     """Same model building, optimizer, schedule and checkpoints as the actor."""
 
     REPLAYS_ROUTING = False  # a value model routes by its own weights
+    HAS_REFERENCE = False  # no KL term on values
 
     def _build_chunks(self, build: dict) -> list:
         hf = dict(self.hf, tie_word_embeddings=False)  # the head is its own parameter
@@ -59,9 +60,6 @@ class Critic(Actor):
                                                sequence_parallel=self.parallel.sequence_parallel)
         load_hf_weights(chunks, self.model_dir, skip=lambda name: name.startswith("output_layer."))
         return chunks
-
-    def _build_reference(self, build: dict) -> None:
-        return None  # no KL term on values
 
     def named_hf_weights(self):
         raise RuntimeError("the critic has no HF counterpart to export")

@@ -84,6 +84,11 @@ def test_every_env_config_loads_and_builds(env, tmp_path, monkeypatch):
         (["rollout.workers=0"], "rollout.workers=0 must be >= 1"),
         (["tiny_model.warm_start.episodes=5"], "env='numberline' has no expert_action() to imitate"),
         (["+experiment=maze", "tiny_model.warm_start.noise=2"], "tiny_model.warm_start: noise=2.0 must be in [0, 1]"),
+        (["actor.lora.rank=-1"], "actor: actor.lora.rank=-1 must be >= 0"),
+        (["actor.lora.rank=4", "actor.lora.targets=[linear_q]"], "actor.lora.targets=['linear_q']: choose among"),
+        (["actor.lora.rank=4", "actor.lora.dropout=1"], "actor.lora.dropout=1.0 must be in [0, 1)"),
+        (["actor.lora.rank=4", "actor.layer_spec=transformer_engine"], "set actor.layer_spec=local"),
+        (["algorithm=ppo", "critic.lora.rank=4"], "critic.lora.rank=4: the critic trains every weight"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):

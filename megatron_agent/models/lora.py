@@ -1,0 +1,292 @@
+"""Low-rank adapters (LoRA) on Megatron's linear layers, at any TP/SP/PP/EP layout.
+
+    add_lora(chunks, LoraConfig(rank=8), hf)   # base frozen; each targeted linear gains .lora
+    with adapters_off(chunks): ...              # the base model (the KL reference)
+    lora_sharded_state(chunks)                  # the adapters alone, for dist_checkpointing
+
+A targeted linear computes W·x + (alpha/rank)·B·(A·x). A and B are split the way W is:
+a column-parallel W (rows over TP: linear_qkv, linear_fc1) keeps A [r, in] whole and B's
+rows split as W's are; a row-parallel W (columns over TP: linear_proj, linear_fc2) splits
+A's columns and keeps B [out, r] whole. So on every rank the merged local weight is
+W_local + scale·B_local·A_local, in W's own split (`merged_weight`), and the export and
+the weight sync need nothing else. The adapter runs beside the linear (a forward hook on
+it) with the same communication as the base: the column case gathers or copies its input
+into the TP region, the row case reduces its low-rank output as the base reduces its own.
+Where each rank holds a part of the whole gradient of a whole (replicated) A or B, it is
+summed over the linear's TP group in the backward (`_WeightGradSummed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # 0: no adapters, every weight trains
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, in training
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    experts: bool = True  # the MoE experts' linear_fc1 / linear_fc2 too, when targeted
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"actor.lora.rank={self.rank} must be >= 0 (0: no adapters)")
+        if not self.enabled:
+            return
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"actor.lora.dropout={self.dropout} must be in [0, 1)")
+        unknown = sorted(set(self.targets) - set(TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(f"actor.lora.targets={list(self.targets)}: choose among {list(TARGETS)}")
+
+
+class _WeightGradSummed(torch.autograd.Function):
+    """x·wᵀ whose gradient for w is summed over `group` (each rank computed a part of the
+    whole gradient of a w every rank holds whole), while x's gradient stays this rank's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        if dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(grad_weight, group=ctx.group)
+        return grad_x, grad_weight, None
+
+
+class LoraAdapter(torch.nn.Module):
+    """The A and B of one Megatron linear (`a` [r, in_local], `b` [out_local, r])."""
+
+    def __init__(self, linear, config: LoraConfig, key: str, seed: int):
+        from megatron.core.tensor_parallel.layers import (
+            ColumnParallelLinear,
+            set_tensor_model_parallel_attributes,
+        )
+
+        super().__init__()
+        weight = linear.weight
+        self.column = isinstance(linear, ColumnParallelLinear)
+        self.group = linear.tp_group
+        tp_rank, tp_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        # Experts: the token dispatcher moves tokens between ranks, not the linear.
+        self.explicit_comm = linear.explicit_expert_comm
+        self.sequence_parallel = linear.sequence_parallel and tp_size > 1
+        self.scale, self.dropout, self.key, self.enabled = config.scale, config.dropout, key, True
+        in_full = linear.input_size
+        # A is drawn whole, from a stream of its own, then cut: the same adapter at any layout.
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+        a_full = torch.empty(config.rank, in_full).uniform_(-1 / math.sqrt(in_full), 1 / math.sqrt(in_full),
+                                                          generator=g)
+        a = a_full if self.column else a_full.chunk(tp_size, dim=1)[tp_rank]
+        self.a = torch.nn.Parameter(a.to(weight.dtype).to(weight.device).contiguous())
+        self.b = torch.nn.Parameter(torch.zeros(weight.shape[0], config.rank, dtype=weight.dtype, device=weight.device))
+        split = self.b if self.column else self.a
+        set_tensor_model_parallel_attributes(split, True, 0 if self.column else 1, 1)
+        whole = self.a if self.column else self.b
+        set_tensor_model_parallel_attributes(whole, False, -1, 1)
+        for p in (self.a, self.b):
+            p.allreduce = getattr(weight, "allreduce", True)  # Megatron's mark of an expert-parallel param
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core import tensor_parallel as tpl
+
+        group = self.group
+        if self.column:
+            if not self.explicit_comm:
+                x = (tpl.gather_from_sequence_parallel_region(x, group=group) if self.sequence_parallel
+                     else tpl.copy_to_tensor_model_parallel_region(x, group=group))
+            x = self._dropout(x)  # whole on every TP rank: the default stream, the same mask
+            h = _WeightGradSummed.apply(x, self.a, group)
+            return torch.nn.functional.linear(h, self.b) * self.scale
+        with tpl.get_cuda_rng_tracker().fork() if self.dropout and self.training else contextlib.nullcontext():
+            x = self._dropout(x)  # this rank's columns: a stream per TP rank
+        h = torch.nn.functional.linear(x, self.a)
+        if self.explicit_comm:
+            y = _WeightGradSummed.apply(h, self.b, group)
+        elif self.sequence_parallel:
+            y = _WeightGradSummed.apply(tpl.reduce_scatter_to_sequence_parallel_region(h, group=group), self.b, group)
+        else:
+            y = torch.nn.functional.linear(tpl.reduce_from_tensor_model_parallel_region(h, group=group), self.b)
+        return y * self.scale
+
+    def _dropout(self, x):
+        return torch.nn.functional.dropout(x, self.dropout, self.training) if self.dropout else x
+
+    def delta(self) -> torch.Tensor:
+        """scale·B·A for this rank's part of the linear's weight (its own split)."""
+        return (self.b.detach().float() @ self.a.detach().float()) * self.scale
+
+
+def _add_adapter_output(linear, args, output):
+    out, bias = output
+    if not linear.lora.enabled:
+        return output
+    return out + linear.lora(args[0]).to(out.dtype), bias
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _global_key(chunk, name: str) -> str:
+    """The linear's name with global layer and expert indices: one key at any PP/EP layout."""
+    from megatron.core import parallel_state as ps
+
+    m = _LAYER.match(name)
+    if m:
+        layer = chunk.decoder.layers[int(m.group(1))].layer_number - 1
+        name = _LAYER.sub(f"decoder.layers.{layer}.", name)
+    e = _EXPERT.search(name)
+    if e:
+        experts_per_rank = chunk.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+        expert = ps.get_expert_model_parallel_rank() * experts_per_rank + int(e.group(1))
+        name = _EXPERT.sub(f".local_experts.{expert}.", name)
+    return name
+
+
+def targeted_linears(chunk, config: LoraConfig):
+    """(name, module) of the linears `config` puts adapters on (the local layer spec's)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for name, module in chunk.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in config.targets or not name.startswith("decoder.layers."):
+            continue
+        if ".experts." in name and not config.experts:
+            continue
+        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            raise NotImplementedError(
+                f"actor.lora: {name} is a {type(module).__name__}; adapters are built on the local layer "
+                "spec's ColumnParallelLinear / RowParallelLinear only (actor.layer_spec=local)")
+        yield name, module
+
+
+def add_lora(chunks: list, config: LoraConfig, *, seed: int = 0) -> int:
+    """Freeze every parameter of `chunks` and put a trainable adapter on each targeted
+    linear. Call after the base weights are loaded and before DDP and the optimizer see
+    the parameters. Returns the number of this rank's adapter parameters."""
+    count = 0
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        for name, linear in list(targeted_linears(chunk, config)):
+            linear.lora = LoraAdapter(linear, config, _global_key(chunk, name), seed)
+            linear.register_forward_hook(_add_adapter_output)
+            count += linear.lora.a.numel() + linear.lora.b.numel()
+    if not count:
+        raise ValueError(f"actor.lora: no linear of the model matches targets={list(config.targets)}"
+                         f"{'' if config.experts else ' (experts excluded)'}")
+    return count
+
+
+def adapters(chunks: list):
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, LoraAdapter):
+                yield module
+
+
+def has_lora(chunks: list) -> bool:
+    return next(adapters(chunks), None) is not None
+
+
+@contextlib.contextmanager
+def adapters_off(chunks: list):
+    """The base model: every adapter of `chunks` adds nothing while inside."""
+    switched = list(adapters(chunks))
+    for a in switched:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in switched:
+            a.enabled = True
+
+
+def merged_weight(linear) -> torch.Tensor:
+    """W + scale·B·A of a linear with an adapter (this rank's part), in W's dtype."""
+    return (linear.weight.detach().float() + linear.lora.delta()).to(linear.weight.dtype)
+
+
+def lora_sharded_state(chunks: list) -> dict:
+    """The adapters as dist_checkpointing tensors under layout-free keys ("lora.<global
+    linear name>.a"), each the parameter itself (what the optimizer's state is matched by)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    state = {}
+    for adapter in adapters(chunks):
+        expert = ".local_experts." in adapter.key
+        dp_group = (ps.get_expert_data_parallel_group() if expert
+                    else ps.get_data_parallel_group(with_context_parallel=True))
+        groups = dict(tp_group=adapter.group, dp_cp_group=dp_group)
+        for param, split_axis in ((adapter.a, None if adapter.column else 1), (adapter.b, 0 if adapter.column else None)):
+            key = f"lora.{adapter.key}.{'a' if param is adapter.a else 'b'}"
+            if split_axis is None:
+                state[key] = make_sharded_tensor_for_checkpoint(param, key, **groups)
+                continue
+            tensor = make_tp_sharded_tensor_for_checkpoint(param, key, split_axis, **groups)
+            if param is adapter.b and adapter.key.endswith("linear_fc1"):  # rows [gate_r; up_r], as W's
+                tensor = apply_swiglu_sharded_factory(tensor, ())
+            state[key] = tensor
+    return state
+
+
+def lora_parameter_count(hf: dict, config: LoraConfig) -> int:
+    """Adapter parameters of the whole model (every rank's, once), from its HF config."""
+    from megatron_agent.models.transformer_config import num_experts
+
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    kv = hf.get("num_key_value_heads", heads)
+    experts = num_experts(hf) or 0
+    ffn = hf.get("moe_intermediate_size") if experts else hf["intermediate_size"]
+    shapes = {"linear_qkv": (hidden, (heads + 2 * kv) * head_dim), "linear_proj": (heads * head_dim, hidden),
+              "linear_fc1": (hidden, 2 * ffn), "linear_fc2": (ffn, hidden)}
+    per_layer = 0
+    for target in config.targets:
+        n_in, n_out = shapes[target]
+        copies = (experts if config.experts else 0) if experts and target in ("linear_fc1", "linear_fc2") else 1
+        per_layer += copies * config.rank * (n_in + n_out)
+    return per_layer * hf["num_hidden_layers"]
+
+
+def exported_parameters(chunk):
+    """(name, tensor) of a chunk's parameters as an HF export sees them: a linear with an
+    adapter gives its merged weight under the weight's name; the adapters give nothing."""
+    with_adapter = {f"{name}.weight": module for name, module in chunk.named_modules()
+                    if isinstance(getattr(module, "lora", None), LoraAdapter)}
+    for name, param in chunk.named_parameters():
+        if isinstance(_owner(chunk, name), LoraAdapter):
+            continue
+        linear = with_adapter.get(name)
+        yield name, merged_weight(linear) if linear is not None and linear.lora.enabled else param.detach()
+
+
+def _owner(chunk, name: str):
+    return chunk.get_submodule(name.rsplit(".", 1)[0]) if "." in name else chunk
