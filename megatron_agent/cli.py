@@ -84,9 +84,14 @@ def train(args) -> int:
     except FileNotFoundError as err:  # resume= a run with no complete checkpoint
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except ConfigError as err:  # resume= a checkpoint these settings cannot continue
+        print(f"error: bad configuration: {err}", file=sys.stderr)
+        return 2
     print(f"megatron-agent train: {config.algorithm.advantage_estimator} on {config.env}, {config.num_groups} "
           f"groups x {config.group_size} episodes per iteration; run directory {config.run_dir}"
           + (f"; resuming at iteration {first}" if first else ""), flush=True)
+    if config.actor.lora.enabled:
+        print(f"actor: {lora_summary(config)}", flush=True)
     bar = TrainingBar(config.iterations, first)
     try:
         history = run_training(config, on_iteration=bar.on_iteration, on_progress=bar.on_progress)
@@ -112,6 +117,17 @@ def train(args) -> int:
         print(f"reached a 3-iteration average success of 0.9 at iteration {row['iteration']} "
               f"({seconds:.0f} s wall time)")
     return 0
+
+
+def lora_summary(config) -> str:
+    """The actor's adapters, counted from the model's config as the actor counts them built."""
+    from megatron_agent.models.lora import describe_trainable, lora_parameter_count
+    from megatron_agent.models.memory import parameter_counts
+    from megatron_agent.run_config import model_hf_config
+
+    hf = model_hf_config(config)
+    return describe_trainable(lora_parameter_count(hf, config.actor.lora), parameter_counts(hf).total,
+                              config.actor.lora, config.actor.params_dtype)
 
 
 class TrainingBar:

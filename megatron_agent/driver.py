@@ -59,10 +59,20 @@ def train(config: RunConfig, on_iteration=None, on_progress=None) -> list[dict]:
 
 def first_iteration(config: RunConfig) -> int:
     """The iteration the run starts at: 0, or with `resume` the step of its last complete
-    checkpoint (FileNotFoundError when it has none)."""
+    checkpoint (FileNotFoundError when it has none; ConfigError when it holds LoRA adapters
+    of other settings, or none where the run has some)."""
     from megatron_agent.models.checkpoint import read_mcore_metadata
+    from megatron_agent.models.lora import lora_mismatch
+    from megatron_agent.run_config import ConfigError
 
-    return int(read_mcore_metadata(latest_checkpoint(Path(config.resume)))["step"]) if config.resume else 0
+    if not config.resume:
+        return 0
+    checkpoint = latest_checkpoint(Path(config.resume))
+    metadata = read_mcore_metadata(checkpoint)
+    mismatch = lora_mismatch(str(checkpoint), metadata.get("lora"), config.actor.lora)
+    if mismatch:  # before any process starts
+        raise ConfigError(mismatch)
+    return int(metadata["step"])
 
 
 def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_progress=None) -> list[dict]:

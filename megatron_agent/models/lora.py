@@ -22,7 +22,7 @@ import contextlib
 import math
 import re
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -255,6 +255,30 @@ def lora_sharded_state(chunks: list) -> dict:
                 tensor = apply_swiglu_sharded_factory(tensor, ())
             state[key] = tensor
     return state
+
+
+def lora_mismatch(checkpoint: str, saved: dict | None, lora: LoraConfig | None) -> str | None:
+    """Why a checkpoint (its megatron_agent.json "lora": `saved`) does not resume into an
+    actor with `lora` (None: no adapters); None when it does."""
+    current = asdict(lora) if lora is not None and lora.enabled else None
+    if saved == current:
+        return None
+    held = f"LoRA adapters {saved}" if saved else "a whole model (no LoRA)"
+    wanted = f"actor.lora={current}" if current else "no adapters (actor.lora.rank=0)"
+    return f"{checkpoint} holds {held}; this run has {wanted}: resume with the settings it was saved with"
+
+
+def describe_trainable(trainable: int, model_parameters: int, lora: LoraConfig | None, params_dtype: str) -> str:
+    """What trains and what Adam keeps for it: its two moments, plus an fp32 main copy of
+    parameters kept in a 16-bit dtype."""
+    state = trainable * (8 + (4 if params_dtype != "fp32" else 0))
+    for unit in ("B", "kB", "MB", "GB"):
+        if state < 1000 or unit == "GB":
+            break
+        state /= 1000
+    what = f"LoRA rank {lora.rank} on {', '.join(lora.targets)}" if lora else "every weight"
+    return (f"{trainable:,} trainable parameters ({what}) of a {model_parameters:,}-parameter model, "
+            f"Adam state {state:.1f} {unit}")
 
 
 def lora_parameter_count(hf: dict, config: LoraConfig) -> int:

@@ -92,16 +92,18 @@ def init_distributed(
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            if world_size > 1:
-                raise RuntimeError("MASTER_PORT must be set when WORLD_SIZE > 1")
-            os.environ["MASTER_PORT"] = str(free_port())
+        # One rank with no port given meets no one: an in-memory store, so no port is picked
+        # free and then found taken by another process before the store binds it.
+        alone = world_size == 1 and "MASTER_PORT" not in os.environ
+        if world_size > 1 and "MASTER_PORT" not in os.environ:
+            raise RuntimeError("MASTER_PORT must be set when WORLD_SIZE > 1")
         dist.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(minutes=timeout_minutes),
             device_id=device if device.type == "cuda" else None,
+            store=dist.HashStore() if alone else None,
         )
     global _control_group
     _control_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD

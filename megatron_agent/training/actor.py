@@ -35,7 +35,14 @@ from megatron_agent.models.bridge import export_hf_weights, load_hf_weights, pac
 from megatron_agent.models.builder import build_model
 from megatron_agent.models.checkpoint import DTYPES, copy_hf_side_files, model_state, read_mcore_metadata
 from megatron_agent.models.families import family_of
-from megatron_agent.models.lora import LoraConfig, adapters_off, add_lora, lora_sharded_state
+from megatron_agent.models.lora import (
+    LoraConfig,
+    adapters_off,
+    add_lora,
+    describe_trainable,
+    lora_mismatch,
+    lora_sharded_state,
+)
 from megatron_agent.models.transformer_config import num_experts, read_hf_config
 from megatron_agent.platform.collectives import all_reduce, broadcast
 from megatron_agent.platform.distributed import control_group
@@ -167,11 +174,10 @@ class Actor:
         """Log, once, the trainable parameters of the whole model and the optimizer's bytes for them."""
         trainable, total = (_count_once(self.chunks, trainable_only) for trainable_only in (True, False))
         self.trainable_parameters = trainable
-        per_param = 8 + (4 if self.config.params_dtype != "fp32" else 0)  # Adam's moments (+ an fp32 main copy)
         if dist.get_rank() == 0:
-            what = f"LoRA rank {self.lora.rank} on {', '.join(self.lora.targets)}" if self.lora else "every weight"
-            log.info("%s: %s trainable parameters of %s (%s), optimizer state %s", type(self).__name__.lower(),
-                     f"{trainable:,}", f"{total:,}", what, _bytes(trainable * per_param))
+            model = total - trainable if self.lora else total  # the adapters are not the model's
+            log.info("%s: %s", type(self).__name__.lower(),
+                     describe_trainable(trainable, model, self.lora, self.config.params_dtype))
 
     def _build_chunks(self, build: dict) -> list:
         chunks = build_model(self.hf, self.parallel, **build)
@@ -525,11 +531,9 @@ class Actor:
         directory = Path(directory)
         metadata = read_mcore_metadata(directory)
         saved = metadata["saved_at_layout"]
-        saved_lora = metadata.get("lora")
-        if saved_lora != (asdict(self.lora) if self.lora else None):
-            raise ValueError(f"{directory} holds {'LoRA adapters ' + str(saved_lora) if saved_lora else 'a whole model'}; "
-                             f"this actor has actor.lora={asdict(self.lora) if self.lora else 'off (rank 0)'}: "
-                             "resume with the settings it was saved with")
+        mismatch = lora_mismatch(str(directory), metadata.get("lora"), self.lora)
+        if mismatch:
+            raise ValueError(mismatch)
         if (saved.get("ep", 1) > 1) != (self.parallel.ep > 1) and family_of(self.hf).moe:
             # Megatron keeps expert and dense optimizer states in separate optimizers when
             # ep > 1 and in one when ep == 1; their checkpoints do not map onto each other.
@@ -592,14 +596,6 @@ def _count_once(chunks: list, trainable_only: bool) -> int:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(count, group=control_group())
     return int(count.item())
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB"):
-        if n < 1000:
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 # What a rank with no sample runs to join its peers' collectives.

@@ -8,7 +8,8 @@ of rank 4 on every linear (experts included) and a KL loss to the base:
 - the base never moves, and the KL reference (the adapters switched off) is the base;
 - the trainable parameters are the adapters' alone, as many as counted by hand;
 - the checkpoint holds only adapters and their optimizer state; saved at the layout,
-  loaded at TP=1, it continues to the same weights as the run that never stopped.
+  loaded at TP=1, it continues to the same weights as the run that never stopped;
+- `mcore-to-hf` of it writes the merged model the actor exports.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
                    reference=actor.compute_logprobs(batch, reference=True)["logprobs"])
         with adapters_off(actor.chunks):
             out["base"] = weights(actor)
+        if not layout:  # for megatron-agent-convert mcore-to-hf
+            actor.save(f"{ckpt_root}/tp=1/iter_2")
         results[_name(layout)] = out
         del actor
         destroy_model_parallel()
@@ -101,9 +104,9 @@ def resumable(layouts):
 def lora_results(request, tiny_model_dir, tmp_path_factory):
     family = request.param
     model_dir = tiny_model_dir(family)
-    results = run_on_ranks(_worker, 2, str(model_dir), str(tmp_path_factory.mktemp(f"lora_{family}")),
-                           LAYOUTS[family], timeout_s=900)
-    return family, model_dir, results
+    ckpt_root = tmp_path_factory.mktemp(f"lora_{family}")
+    results = run_on_ranks(_worker, 2, str(model_dir), str(ckpt_root), LAYOUTS[family], timeout_s=900)
+    return family, model_dir, results, ckpt_root
 
 
 def test_updates_match_tp1_and_transformers_with_the_merged_weights(lora_results, tmp_path):
@@ -112,7 +115,7 @@ def test_updates_match_tp1_and_transformers_with_the_merged_weights(lora_results
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    family, model_dir, per_rank = lora_results
+    family, model_dir, per_rank, _ = lora_results
     reference = per_rank[0]["tp=1"]
     batch = _batch(read_hf_config(model_dir)["vocab_size"])
     mask = batch.response_mask.bool()
@@ -135,7 +138,7 @@ def test_updates_match_tp1_and_transformers_with_the_merged_weights(lora_results
 def test_the_base_stays_and_is_the_kl_reference(lora_results):
     from safetensors.torch import load_file
 
-    family, model_dir, per_rank = lora_results
+    family, model_dir, per_rank, _ = lora_results
     initial = load_file(f"{model_dir}/model.safetensors")
     mask = _batch(read_hf_config(model_dir)["vocab_size"]).response_mask.bool()
     for layout in [dict()] + LAYOUTS[family]:
@@ -151,7 +154,7 @@ def test_the_base_stays_and_is_the_kl_reference(lora_results):
 def test_only_the_adapters_train_and_are_saved(lora_results):
     from megatron_agent.models.lora import LoraConfig, lora_parameter_count
 
-    family, model_dir, per_rank = lora_results
+    family, model_dir, per_rank, _ = lora_results
     hf = read_hf_config(model_dir)
     by_hand = lora_parameter_count(hf, LoraConfig(rank=RANK, alpha=ALPHA))
     for layout in [dict()] + LAYOUTS[family]:
@@ -165,8 +168,23 @@ def test_only_the_adapters_train_and_are_saved(lora_results):
 
 
 def test_resume_at_tp1_continues_exactly(lora_results):
-    family, _, per_rank = lora_results
+    family, _, per_rank, _ = lora_results
     for layout in resumable(LAYOUTS[family]):
         uninterrupted = _merged_weights(per_rank, _name(layout), "weights")
         resumed = _merged_weights(per_rank, "resumed " + _name(layout), "weights")
         assert _max_diff(resumed, uninterrupted) < 1e-5, layout
+
+
+def test_mcore_to_hf_writes_the_merged_model(lora_results, tmp_path):
+    """The converter's merge (the base read from its HF directory, the adapters from the
+    checkpoint) gives the tensors the actor exported merged."""
+    from safetensors.torch import load_file
+
+    from tools.checkpoint_convert.convert import mcore_to_hf
+
+    family, model_dir, per_rank, ckpt_root = lora_results
+    out = mcore_to_hf(ckpt_root / "tp=1" / "iter_2", tmp_path / "merged")
+    converted = {}
+    for shard in out.glob("*.safetensors"):
+        converted.update(load_file(shard))
+    assert _max_diff(converted, _merged_weights(per_rank, "tp=1", "weights")) < 1e-6

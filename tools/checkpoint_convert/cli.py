@@ -1,7 +1,7 @@
 """megatron-agent-convert: HF <-> Megatron checkpoints (a thin CLI over convert.py).
 
     megatron-agent-convert hf-to-mcore --hf DIR --out DIR [--dtype bf16|fp32|fp16] [--tp N --pp N --ep N --etp N]
-    megatron-agent-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...]
+    megatron-agent-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...] [--base DIR]
                                        [--quantize fp8|nvfp4 [--calib FILE]]
     megatron-agent-convert verify --hf DIR --mcore DIR [--tp N --pp N --ep N] [--tolerance X]
 
@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
+
+from megatron_agent.models.checkpoint import read_mcore_metadata
 
 
 def _layout_args(p):
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mcore", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--hf-config", default=None, help="where config/tokenizer come from (default: MCORE/hf)")
+    p.add_argument("--base", default=None, metavar="DIR", help="a LoRA checkpoint's base model (default: the "
+                   "directory it names); the adapters are merged into it")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="default: the checkpoint's")
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--quantize", default=None, choices=["fp8", "nvfp4"],
@@ -81,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-mcore":
             convert.hf_to_mcore(args.hf, args.out, _parallel(args), dtype=args.dtype)
             print(f"wrote {args.out}")
+        elif args.command == "mcore-to-hf" and args.quantize and "lora" in read_mcore_metadata(Path(args.mcore)):
+            print(f"error: {args.mcore} holds LoRA adapters: merge them first (mcore-to-hf without --quantize), "
+                  "then hf-to-mcore the merged model and quantize that", file=sys.stderr)
+            return 2
         elif args.command == "mcore-to-hf" and args.quantize:
             from tools.checkpoint_convert import quantize
 
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out}")
         elif args.command == "mcore-to-hf":
             convert.mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, dtype=args.dtype,
-                                max_shard_bytes=_size(args.max_shard_size))
+                                max_shard_bytes=_size(args.max_shard_size), base_dir=args.base)
             print(f"wrote {args.out}")
         else:
             result = convert.verify(args.hf, args.mcore, _parallel(args))

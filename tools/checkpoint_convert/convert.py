@@ -90,6 +90,51 @@ def _checkpoint_layout(hf: dict, dtype: torch.dtype):
         shutdown_distributed()
 
 
+class _HFParams:
+    """The full Megatron tensors of an HF checkpoint's parameters (TP=1 names), one at a
+    time; a layer's fused expert tensor is read once for all its experts."""
+
+    def __init__(self, ckpt, mappings: dict, dims):
+        self.ckpt, self.mappings, self.dims = ckpt, mappings, dims
+        self.held: dict[tuple, torch.Tensor] = {}  # the fused expert tensors of the layer being read
+
+    def _hf(self, name: str, read) -> list[torch.Tensor]:
+        m = self.mappings[name]
+        return [read(n, name) for n in m.hf_names(m.local_expert)]
+
+    def check_shapes(self, params) -> None:
+        from megatron_agent.models.bridge import full_from_hf, shape_mismatch
+
+        for param in params:
+            m, metas = self.mappings[param.name], self._hf(param.name, self.ckpt.meta)
+            if tuple(full_from_hf(m, param.name, metas, self.dims, self.ckpt.source, m.local_expert).shape) != param.shape:
+                raise shape_mismatch(m, param.name, param.shape, metas, self.ckpt.source, m.local_expert)
+
+    def _expert_of_fused(self, name: str) -> torch.Tensor:
+        from megatron_agent.models.bridge import full_from_hf
+
+        m = self.mappings[name]
+        key = (m.layer, *m.hf_names())
+        if key not in self.held:
+            for other in [k for k in self.held if k[0] != m.layer]:  # a new layer: the last one's are done
+                del self.held[other]
+            self.held[key] = self.ckpt.get(key[1], name)
+        return full_from_hf(m, name, [self.held[key]], self.dims, self.ckpt.source, m.local_expert)
+
+    def rows(self, name: str) -> list[torch.Tensor]:
+        """The full tensor as consecutive blocks of rows (views of the HF tensors where they can be)."""
+        from megatron_agent.models.bridge import fused_rows
+        from megatron_agent.models.families.common import FUSED_EXPERTS
+
+        if self.mappings[name].rule.fuse == FUSED_EXPERTS:
+            return [self._expert_of_fused(name).contiguous()]
+        return fused_rows(self.mappings[name].rule.fuse, self._hf(name, self.ckpt.get), self.dims)
+
+    def full(self, name: str) -> torch.Tensor:
+        rows = self.rows(name)
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
 # --- HF -> Megatron ---------------------------------------------------------------------
 
 
@@ -104,15 +149,8 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
     """
     from tqdm import tqdm
 
-    from megatron_agent.models.bridge import (
-        Dims,
-        SafetensorsCheckpoint,
-        full_from_hf,
-        fused_rows,
-        shape_mismatch,
-    )
+    from megatron_agent.models.bridge import Dims, SafetensorsCheckpoint
     from megatron_agent.models.checkpoint_stream import write_checkpoint
-    from megatron_agent.models.families.common import FUSED_EXPERTS
 
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
@@ -123,35 +161,13 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
     ckpt = SafetensorsCheckpoint(hf_dir)  # a missing index or shard fails here too
     dtype = target_dtype(hf_config_dtype(hf) or _stored_dtype(ckpt), dtype)
     layout, mappings = _checkpoint_layout(hf, DTYPES[dtype])
-    dims = Dims.from_hf(hf, 1)
-
-    def hf_tensors(name: str, read) -> list[torch.Tensor]:
-        return [read(n, name) for n in mappings[name].hf_names(mappings[name].local_expert)]
-
-    for param in layout.params:  # every tensor present, every shape right, before writing
-        m, metas = mappings[param.name], hf_tensors(param.name, ckpt.meta)
-        if tuple(full_from_hf(m, param.name, metas, dims, ckpt.source, m.local_expert).shape) != param.shape:
-            raise shape_mismatch(m, param.name, param.shape, metas, ckpt.source, m.local_expert)
-
+    base = _HFParams(ckpt, mappings, Dims.from_hf(hf, 1))
+    base.check_shapes(layout.params)  # every tensor present, every shape right, before writing
     progress = tqdm(total=len(layout.params), desc="hf -> mcore", unit="param")
-    held: dict[tuple[int, str], torch.Tensor] = {}  # the fused expert tensors of the layer being written
-
-    def expert_of_fused(param) -> torch.Tensor:
-        m = mappings[param.name]
-        key = (m.layer, *m.hf_names())
-        if key not in held:
-            for other in [k for k in held if k[0] != m.layer]:  # a new layer: the last one's are written
-                del held[other]
-            held[key] = ckpt.get(key[1], param.name)
-        return full_from_hf(m, param.name, [held[key]], dims, ckpt.source, m.local_expert)
 
     def param_rows(param) -> list[torch.Tensor]:
-        if mappings[param.name].rule.fuse == FUSED_EXPERTS:  # one read per layer, one copy per expert
-            rows = [expert_of_fused(param).to(param.dtype).contiguous()]
-        else:
-            rows = fused_rows(mappings[param.name].rule.fuse, hf_tensors(param.name, ckpt.get), dims)
         progress.update()
-        return [block.to(param.dtype) for block in rows]
+        return [block.to(param.dtype) for block in base.rows(param.name)]
 
     with atomic_directory(out_dir) as tmp:
         write_checkpoint(tmp, layout, param_rows)
@@ -188,6 +204,7 @@ def mcore_to_hf(
     hf_config_dir: str | Path | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    base_dir: str | Path | None = None,
 ) -> Path:
     """Convert a Megatron dist checkpoint (written at any layout) to an HF directory:
     safetensors shards of at most `max_shard_bytes`, config and tokenizer.
@@ -195,12 +212,15 @@ def mcore_to_hf(
     Reads one parameter at a time, splits it with the bridge's rules and appends its HF
     tensors to shards laid out beforehand; experts stored fused per layer are gathered
     into their HF tensor (published layout), which is written after its last expert.
-    `dtype` defaults to the checkpoint's own.
+    `dtype` defaults to the checkpoint's own. A checkpoint of LoRA adapters (the actor's
+    with `actor.lora`) is written merged: each base tensor, read from the base model's HF
+    directory (`base_dir`, default: the one the checkpoint names), plus scale·B·A.
     """
     from tqdm import tqdm
 
-    from megatron_agent.models.bridge import Dims, hf_tensors_gathering_experts
+    from megatron_agent.models.bridge import Dims, SafetensorsCheckpoint, hf_tensors_gathering_experts
     from megatron_agent.models.checkpoint_stream import read_params
+    from megatron_agent.models.lora import LoraConfig
     from megatron_agent.models.safetensors_io import TensorSpec, write_streamed_shards
     from megatron_agent.models.transformer_config import num_experts
 
@@ -219,7 +239,13 @@ def mcore_to_hf(
 
     specs = [TensorSpec(n, tuple(t.shape), t.dtype)
              for n, t in hf_tensors((p, torch.empty(p.shape, device="meta")) for p in exported)]
-    params = tqdm(read_params(mcore_dir, exported), desc="mcore -> hf", total=len(exported), unit="param")
+    if "lora" in meta:
+        base = _lora_base(mcore_dir, meta, base_dir)
+        merged = _merged_with_adapters(mcore_dir, LoraConfig(**meta["lora"]),
+                                       _HFParams(SafetensorsCheckpoint(base), mappings, dims), exported)
+    else:
+        merged = read_params(mcore_dir, exported)
+    params = tqdm(merged, desc="mcore -> hf", total=len(exported), unit="param")
     tensors = hf_tensors(params)
     with atomic_directory(out_dir) as tmp:
         written = write_streamed_shards(specs, tensors, tmp, max_shard_bytes)
@@ -229,6 +255,46 @@ def mcore_to_hf(
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     log.info("wrote %s: %d shard(s), %.1f MB", out_dir, written["shards"], written["total_size"] / 1e6)
     return Path(out_dir)
+
+
+def _lora_base(mcore_dir: Path, meta: dict, base_dir) -> Path:
+    base = Path(base_dir or meta.get("base_model", ""))
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"{mcore_dir} holds LoRA adapters of the base model {str(base)!r}, which has no "
+                                "config.json here: give the base model's HF directory (--base DIR)")
+    return base
+
+
+def read_adapters(mcore_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{linear's TP=1 name: (A, B)} of a LoRA checkpoint, whole (its keys are layout-free)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_agent.models.checkpoint_stream import Chunk, ParamChunks, read_params
+
+    stored = FileSystemReader(str(mcore_dir)).read_metadata().state_dict_metadata
+    params = []
+    for key, md in stored.items():
+        if key.startswith("lora.") and hasattr(md, "size"):
+            shape = tuple(md.size)
+            whole = Chunk(key, shape, (0,) * len(shape), shape, tuple(slice(0, n) for n in shape))
+            params.append(ParamChunks(key, shape, md.properties.dtype, (whole,)))
+    tensors = {p.name: t for p, t in read_params(mcore_dir, params)}
+    linears = {key.removeprefix("lora.").rsplit(".", 1)[0] for key in tensors}
+    return {name: (tensors[f"lora.{name}.a"], tensors[f"lora.{name}.b"]) for name in linears}
+
+
+def _merged_with_adapters(mcore_dir: Path, lora, base: _HFParams, exported):
+    """(param, full tensor) in turn: the base's, plus scale·B·A where the linear has an adapter."""
+    adapters = read_adapters(mcore_dir)
+    for param in exported:
+        full = base.full(param.name)
+        adapter = adapters.pop(param.name.removesuffix(".weight"), None)
+        if adapter is not None:
+            a, b = adapter
+            full = (full.float() + lora.scale * (b.float() @ a.float())).to(full.dtype)
+        yield param, full
+    if adapters:
+        raise ValueError(f"{mcore_dir}: adapters of linears the model does not have: {sorted(adapters)[:3]}")
 
 
 # --- verify ---------------------------------------------------------------------------------

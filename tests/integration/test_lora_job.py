@@ -1,0 +1,66 @@
+"""The CPU job with LoRA adapters, as a user runs it: what it prints at start, what its
+checkpoints hold, a resume with other settings refused, and the merged model `mcore-to-hf` writes from it.
+Layouts, gradients and the merge against transformers: tests/multirank/test_lora.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import torch
+
+SMALL = ("num_groups=2", "group_size=2", "stop_success=null", "val_every=0", "samples_every=0", "save_every=1")
+
+
+def run(module: str, *args):
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def adapter_parameters_by_hand(config: dict, rank: int) -> int:
+    """r·(in + out) for q/k/v fused, o, gate/up fused and down, in every layer."""
+    hidden, heads, kv, head_dim = (config["hidden_size"], config["num_attention_heads"],
+                                   config["num_key_value_heads"], config["head_dim"])
+    ffn = config["intermediate_size"]
+    per_layer = (rank * (hidden + (heads + 2 * kv) * head_dim) + rank * (heads * head_dim + hidden)
+                 + rank * (hidden + 2 * ffn) + rank * (ffn + hidden))
+    return per_layer * config["num_hidden_layers"]
+
+
+def test_a_lora_run_prints_saves_adapters_and_merges(tmp_path):
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    first = run("megatron_agent.cli", "train", "actor.lora.rank=8", f"run_dir={run_dir}", "iterations=2", *SMALL)
+    config = json.loads((run_dir / "model" / "config.json").read_text())
+    trainable = adapter_parameters_by_hand(config, 8)
+    assert f"actor: {trainable:,} trainable parameters (LoRA rank 8 on linear_qkv, linear_proj, linear_fc1, " \
+           "linear_fc2)" in first.stdout
+    assert f"Adam state {trainable * 8 / 1000:.1f} kB" in first.stdout  # fp32: two moments
+
+    checkpoint = run_dir / "checkpoints" / "iter_000001"
+    meta = json.loads((checkpoint / "megatron_agent.json").read_text())
+    assert meta["lora"]["rank"] == 8 and meta["base_model"] == str((run_dir / "model").resolve())
+    keys = load_tensors_metadata(str(checkpoint))
+    assert {k.split(".")[0] for k in keys} == {"lora", "optimizer"}
+    assert sum(math.prod(keys[k].global_shape) for k in keys if k.startswith("lora.")) == trainable
+
+    # resumed without the adapters' settings (the resume itself: tests/multirank/test_lora.py)
+    refused = subprocess.run([sys.executable, "-m", "megatron_agent.cli", "train", f"run_dir={run_dir}",
+                              f"resume={run_dir}", "iterations=3", *SMALL], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr  # before any process starts, naming both settings
+    assert "error: bad configuration:" in refused.stderr and "holds LoRA adapters {'rank': 8" in refused.stderr
+    assert "this run has no adapters (actor.lora.rank=0)" in refused.stderr
+
+    merged_dir = tmp_path / "merged"
+    run("tools.checkpoint_convert.cli", "mcore-to-hf", "--mcore", str(checkpoint),
+        "--out", str(merged_dir))
+    base, merged = load_file(run_dir / "model" / "model.safetensors"), load_file(merged_dir / "model.safetensors")
+    assert merged.keys() == base.keys()
+    for name, tensor in base.items():
+        moved = not torch.equal(merged[name], tensor)
+        assert moved == name.endswith(("_proj.weight",)), name  # the adapted linears alone
