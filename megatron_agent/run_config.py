@@ -459,7 +459,13 @@ def _unknown_words(run: RunConfig, tokenizer, observations: list[str]) -> list[s
 def model_hf_config(run: RunConfig) -> dict:
     """The model's HF config as `read_hf_config` gives it: a VLM's text_config lifted to the
     top, its vision_config kept (the tiny model's, made from the same functions as run_dir's)."""
-    from megatron_agent.models.tiny import VISION_FAMILIES, build_tokenizer, hf_config_for, vision_config_for
+    from megatron_agent.models.tiny import (
+        VISION_FAMILIES,
+        build_tokenizer,
+        embedding_rows,
+        hf_config_for,
+        vision_config_for,
+    )
     from megatron_agent.models.transformer_config import read_hf_config
 
     if run.model_dir is None:
@@ -469,7 +475,8 @@ def model_hf_config(run: RunConfig) -> dict:
                                        num_hidden_layers=tiny.num_hidden_layers)
             return read_hf_config({"model_type": tiny.family, **vision})
         return {"model_type": tiny.family,
-                **hf_config_for(tiny.family, tiny.preset, num_hidden_layers=tiny.num_hidden_layers)}
+                **hf_config_for(tiny.family, tiny.preset, num_hidden_layers=tiny.num_hidden_layers,
+                                vocab_size=embedding_rows(build_tokenizer(tiny.tokenizer)))}
     return read_hf_config(Path(run.model_dir))
 
 

@@ -173,6 +173,12 @@ def build_tokenizer(kind: str = "bpe", vision: bool = False):
     return fast
 
 
+def embedding_rows(tokenizer) -> int:
+    """Like real checkpoints, the embedding has more rows than the tokenizer has tokens (a
+    multiple of 64, so any TP size up to 64 splits it without padding)."""
+    return -(-len(tokenizer) // 64) * 64
+
+
 def hf_config_for(family: str, preset: str = "tiny", vocab_size: int = 1024, **overrides) -> dict:
     if family not in TIED_EMBEDDINGS:
         raise ValueError(f"family={family!r}; choose one of {sorted(TIED_EMBEDDINGS)}")
@@ -190,7 +196,7 @@ def hf_config_for(family: str, preset: str = "tiny", vocab_size: int = 1024, **o
 def vision_config_for(family: str, tokenizer, preset: str = "tiny", **overrides) -> dict:
     """A vision-language config in transformers 5's nested form (text_config, vision_config)."""
     spec = VISION_FAMILIES[family]
-    text = dict(PRESETS[preset], vocab_size=-(-len(tokenizer) // 64) * 64, max_position_embeddings=2048,
+    text = dict(PRESETS[preset], vocab_size=embedding_rows(tokenizer), max_position_embeddings=2048,
                 rms_norm_eps=1e-6, initializer_range=0.02, hidden_act="silu", **spec.get("text", {}),
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     text.update(overrides)
@@ -310,9 +316,7 @@ def write_tiny_model(
     out_dir = Path(out_dir)
     tokenizer_kind = tokenizer
     tokenizer = build_tokenizer(tokenizer_kind)
-    # Like real checkpoints, the embedding has more rows than the tokenizer has tokens
-    # (a multiple of 64, so any TP size up to 64 splits it without padding).
-    overrides.setdefault("vocab_size", -(-len(tokenizer) // 64) * 64)
+    overrides.setdefault("vocab_size", embedding_rows(tokenizer))
     fields = hf_config_for(family, preset, **overrides)
     config = AutoConfig.for_model(
         family,
