@@ -30,10 +30,11 @@ $(STAMP): pyproject.toml
 
 # The ALFWorld extra, for the tests (and users who train on it): not for `make train`,
 # since without the wheels two of its dependencies compile for minutes. The tests of
-# `--quantize` need the quantize extra (nvidia-modelopt) too.
+# `--quantize` need the quantize extra (nvidia-modelopt) too, those of the trackers and of
+# LoRA's PEFT export theirs (wandb, mlflow, peft), the page's test a browser driver.
 TEST_EXTRAS_STAMP := $(VENV)/.installed-test-extras
 $(TEST_EXTRAS_STAMP): $(STAMP)
-	$(PY) -m pip install -q $(FIND_LINKS) -e ".[alfworld,quantize,trackers,browser-test]"
+	$(PY) -m pip install -q $(FIND_LINKS) -e ".[alfworld,quantize,trackers,browser-test,peft]"
 	touch $(TEST_EXTRAS_STAMP)
 
 # A real browser for the test of `megatron-agent show` (Playwright cannot download its own

@@ -30,12 +30,16 @@ def adapter_parameters_by_hand(config: dict, rank: int) -> int:
     return per_layer * config["num_hidden_layers"]
 
 
-def test_a_lora_run_prints_saves_adapters_and_merges(tmp_path):
+def test_a_lora_run_prints_saves_adapters_and_exports(tmp_path):
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
-    first = run("megatron_agent.cli", "train", "actor.lora.rank=8", f"run_dir={run_dir}", "iterations=2", *SMALL)
+    # the README's line, on a short warm start; an entropy term, so that every update moves
+    # every adapter whatever the few episodes' rewards
+    first = run("megatron_agent.cli", "train", "+experiment=maze", "actor.lora.rank=8", f"run_dir={run_dir}",
+                "iterations=2", "tiny_model.warm_start.episodes=8", "loop.max_steps=6", "algorithm.entropy_coef=0.01",
+                *SMALL)
     config = json.loads((run_dir / "model" / "config.json").read_text())
     trainable = adapter_parameters_by_hand(config, 8)
     assert f"actor: {trainable:,} trainable parameters (LoRA rank 8 on linear_qkv, linear_proj, linear_fc1, " \
@@ -50,8 +54,9 @@ def test_a_lora_run_prints_saves_adapters_and_merges(tmp_path):
     assert sum(math.prod(keys[k].global_shape) for k in keys if k.startswith("lora.")) == trainable
 
     # resumed without the adapters' settings (the resume itself: tests/multirank/test_lora.py)
-    refused = subprocess.run([sys.executable, "-m", "megatron_agent.cli", "train", f"run_dir={run_dir}",
-                              f"resume={run_dir}", "iterations=3", *SMALL], capture_output=True, text=True, timeout=300)
+    refused = subprocess.run([sys.executable, "-m", "megatron_agent.cli", "train", "+experiment=maze",
+                              f"run_dir={run_dir}", f"resume={run_dir}", "iterations=3", *SMALL],
+                             capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2, refused.stderr  # before any process starts, naming both settings
     assert "error: bad configuration:" in refused.stderr and "holds LoRA adapters {'rank': 8" in refused.stderr
     assert "this run has no adapters (actor.lora.rank=0)" in refused.stderr
@@ -64,3 +69,10 @@ def test_a_lora_run_prints_saves_adapters_and_merges(tmp_path):
     for name, tensor in base.items():
         moved = not torch.equal(merged[name], tensor)
         assert moved == name.endswith(("_proj.weight",)), name  # the adapted linears alone
+
+    adapter = tmp_path / "adapter"
+    run("tools.checkpoint_convert.cli", "lora-to-peft", "--mcore", str(checkpoint), "--out", str(adapter))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    assert sum(t.numel() for t in tensors.values()) > trainable  # each fused linear's A once per HF module

@@ -78,6 +78,12 @@ COMMANDS = {
     ".venv/bin/megatron-agent train 'logging.backends=[tensorboard,wandb,mlflow]'": Covered(
         "tests/integration/test_trackers.py::test_a_resumed_run_continues_both_tracker_runs_with_each_iteration_once",
         ('"logging.backends=[tensorboard,wandb,mlflow]"',)),
+    ".venv/bin/megatron-agent train +experiment=maze actor.lora.rank=8 run_dir=runs/maze-lora": Covered(
+        "tests/integration/test_lora_job.py::test_a_lora_run_prints_saves_adapters_and_exports",
+        ("+experiment=maze", "actor.lora.rank=8")),
+    ".venv/bin/megatron-agent-convert lora-to-peft --mcore runs/maze-lora/checkpoints/iter_000040 --out maze-adapter":
+        Covered("tests/integration/test_lora_job.py::test_a_lora_run_prints_saves_adapters_and_exports",
+                ('"lora-to-peft", "--mcore"',)),
     ".venv/bin/python bench/gigpo_vs_grpo.py": Run(("--quick",)),
     ".venv/bin/megatron-agent doctor": Run(),
     ".venv/bin/megatron-agent init-model --family qwen3_moe --preset tiny --out models/moe": Run(),

@@ -14,6 +14,8 @@ of rank 4 on every linear (experts included) and a KL loss to the base:
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -70,6 +72,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         out = {"before": actor.compute_logprobs(batch)["logprobs"], "trainable": actor.trainable_parameters,
                "optimized": sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])}
         update(actor, lambda: _batch(hf["vocab_size"]))
+        out["after_1"] = actor.compute_logprobs(batch)["logprobs"]
         if layout:
             actor.save(f"{ckpt_root}/{_name(layout)}/iter_1")
         metrics = update(actor, lambda: _batch(hf["vocab_size"]))
@@ -188,3 +191,32 @@ def test_mcore_to_hf_writes_the_merged_model(lora_results, tmp_path):
     for shard in out.glob("*.safetensors"):
         converted.update(load_file(shard))
     assert _max_diff(converted, _merged_weights(per_rank, "tp=1", "weights")) < 1e-6
+
+
+def _peft_logprobs(model_dir, adapter_dir, batch) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.tokens).logits[:, :-1] / TEMPERATURE
+    return torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
+
+
+def test_the_peft_export_gives_the_actors_logprobs(lora_results, tmp_path):
+    """PEFT's own loader puts the exported adapter on the HF base (dense, and MoE with each
+    expert's adapter on transformers' fused experts): the actor's logprobs, from a checkpoint
+    saved at TP=1 (after two updates) and at the first layout (TP=2, after one)."""
+    from tools.checkpoint_convert.convert import lora_to_peft
+
+    family, model_dir, per_rank, ckpt_root = lora_results
+    batch = _batch(read_hf_config(model_dir)["vocab_size"])
+    mask = batch.response_mask.bool()
+    layout = _name(LAYOUTS[family][0])
+    for checkpoint, actor in ((ckpt_root / "tp=1" / "iter_2", per_rank[0]["tp=1"]["after"]),
+                              (ckpt_root / layout / "iter_1", per_rank[0][layout]["after_1"])):
+        adapter = lora_to_peft(checkpoint, tmp_path / checkpoint.parent.name)
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["base_model_name_or_path"]
+        assert (_peft_logprobs(model_dir, adapter, batch) - actor)[mask].abs().max() < 1e-5, checkpoint

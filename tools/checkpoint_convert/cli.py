@@ -3,6 +3,7 @@
     megatron-agent-convert hf-to-mcore --hf DIR --out DIR [--dtype bf16|fp32|fp16] [--tp N --pp N --ep N --etp N]
     megatron-agent-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...] [--base DIR]
                                        [--quantize fp8|nvfp4 [--calib FILE]]
+    megatron-agent-convert lora-to-peft --mcore DIR --out DIR   # a LoRA checkpoint's adapters, for PEFT
     megatron-agent-convert verify --hf DIR --mcore DIR [--tp N --pp N --ep N] [--tolerance X]
 
 The dtype defaults to the source checkpoint's own; a conversion that changes it says so.
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="calibration texts for --quantize: one per line, or .jsonl with a \"text\" field "
                         "(default: a small shipped set)")
 
+    p = sub.add_parser("lora-to-peft", help="a LoRA checkpoint's adapters -> a PEFT adapter for its HF base")
+    p.add_argument("--mcore", required=True)
+    p.add_argument("--out", required=True)
+
     p = sub.add_parser("verify", help="compare HF and Megatron logits on the same tokens")
     p.add_argument("--hf", required=True)
     p.add_argument("--mcore", required=True)
@@ -96,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             quantize.mcore_to_quantized_hf(args.mcore, args.out, args.quantize, calib=args.calib,
                                            hf_config_dir=args.hf_config, dtype=args.dtype,
                                            max_shard_bytes=_size(args.max_shard_size))
+            print(f"wrote {args.out}")
+        elif args.command == "lora-to-peft":
+            convert.lora_to_peft(args.mcore, args.out)
             print(f"wrote {args.out}")
         elif args.command == "mcore-to-hf":
             convert.mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, dtype=args.dtype,
