@@ -299,9 +299,14 @@ def validate_lora(run: RunConfig) -> None:
     if run.critic.lora.enabled:
         raise ConfigError(f"critic.lora.rank={run.critic.lora.rank}: the critic trains every weight (LoRA is "
                           "built for the actor); set critic.lora.rank=0")
-    if run.actor.lora.enabled and run.actor.layer_spec == "transformer_engine":
-        raise ConfigError("actor.lora with actor.layer_spec=transformer_engine: adapters are built on the local "
-                          "layer spec's linears only so far; set actor.layer_spec=local")
+    # On a GPU, layer_spec=auto takes Transformer Engine's layers (models/builder.py).
+    te = run.actor.layer_spec == "transformer_engine" or (
+        run.actor.layer_spec == "auto" and run.placement.gpus_per_trainer > 0)
+    if run.actor.lora.enabled and te:
+        raise ConfigError(f"actor.lora with actor.layer_spec={run.actor.layer_spec} on "
+                          f"{run.placement.gpus_per_trainer} GPU(s) per trainer (Transformer Engine's layers): "
+                          "adapters are built on the local layer spec's linears only so far; "
+                          "set actor.layer_spec=local")
 
 
 def validate_routing_replay(run: RunConfig) -> None:

@@ -88,6 +88,7 @@ def test_every_env_config_loads_and_builds(env, tmp_path, monkeypatch):
         (["actor.lora.rank=4", "actor.lora.targets=[linear_q]"], "actor.lora.targets=['linear_q']: choose among"),
         (["actor.lora.rank=4", "actor.lora.dropout=1"], "actor.lora.dropout=1.0 must be in [0, 1)"),
         (["actor.lora.rank=4", "actor.layer_spec=transformer_engine"], "set actor.layer_spec=local"),
+        (["actor.lora.rank=4", "placement.gpus_per_trainer=1"], "actor.layer_spec=auto on 1 GPU(s) per trainer"),
         (["algorithm=ppo", "critic.lora.rank=4"], "critic.lora.rank=4: the critic trains every weight"),
     ],
 )

@@ -21,6 +21,12 @@ from pathlib import Path
 from megatron_agent.models.checkpoint import read_mcore_metadata
 
 
+def _holds_lora(mcore_dir: str) -> bool:
+    """A checkpoint of LoRA adapters (a path that is no checkpoint is left to the conversion's own checks)."""
+    meta = Path(mcore_dir) / "megatron_agent.json"
+    return meta.is_file() and "lora" in read_mcore_metadata(Path(mcore_dir))
+
+
 def _layout_args(p):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-mcore":
             convert.hf_to_mcore(args.hf, args.out, _parallel(args), dtype=args.dtype)
             print(f"wrote {args.out}")
-        elif args.command == "mcore-to-hf" and args.quantize and "lora" in read_mcore_metadata(Path(args.mcore)):
+        elif args.command == "mcore-to-hf" and args.quantize and _holds_lora(args.mcore):
             print(f"error: {args.mcore} holds LoRA adapters: merge them first (mcore-to-hf without --quantize), "
                   "then hf-to-mcore the merged model and quantize that", file=sys.stderr)
             return 2
