@@ -111,14 +111,25 @@ def test_a_tracker_that_fails_to_open_is_warned_about_and_left_out(tmp_path, mon
     (["logging.backends=[tensorboard,comet]"], r"logging.backends: 'comet' is not a tracker; choose any of "
                                                r"\['tensorboard', 'wandb', 'mlflow'\]"),
     (["logging.backends=[wandb]", "logging.wandb_mode=cloud"], r"logging.wandb_mode='cloud'"),
-    (["logging.backends=[mlflow]", "logging.mlflow_tracking_uri=sqlite:///runs/mlflow.db"],
-     r"need SQLAlchemy, which mlflow-skinny .* does not install"),
 ])
 def test_bad_logging_settings_are_refused_naming_them(overrides, message):
-    if "sqlite" in overrides[-1] and importlib.util.find_spec("sqlalchemy") is not None:
-        pytest.skip("SQLAlchemy is installed here: MLflow's SQL stores work")
     with pytest.raises(ConfigError, match=message):
         load_run_config(overrides)
+
+
+@pytest.mark.parametrize("sqlalchemy", [False, True])
+def test_an_sql_store_needs_sqlalchemy(sqlalchemy, monkeypatch):
+    """mlflow-skinny installs no SQLAlchemy: an SQL store is refused without it, taken with it
+    (whichever this machine has)."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (find_spec("importlib") if sqlalchemy else None) if name == "sqlalchemy" else find_spec(name, *a)))
+    overrides = ["logging.backends=[mlflow]", "logging.mlflow_tracking_uri=sqlite:///runs/mlflow.db"]
+    if sqlalchemy:
+        assert load_run_config(overrides).logging.mlflow_tracking_uri == "sqlite:///runs/mlflow.db"
+    else:
+        with pytest.raises(ConfigError, match=r"need SQLAlchemy, which mlflow-skinny .* does not install"):
+            load_run_config(overrides)
 
 
 @pytest.mark.parametrize("backend", ["wandb", "mlflow"])
