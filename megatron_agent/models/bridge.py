@@ -39,7 +39,6 @@ from megatron_agent.models.families.common import (
     ROWS,
     VOCAB,
 )
-from megatron_agent.models.lora import exported_parameters
 from megatron_agent.models.safetensors_io import TensorEntry, read_header, read_tensor
 from megatron_agent.models.transformer_config import num_experts, padded_vocab_size, read_hf_config
 
@@ -178,8 +177,9 @@ _TE_NAMES = [
     (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
     (re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$"), r"mlp.experts.local_experts.\2.\1.weight"),
 ]
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+# A Megatron name's layer index (in its chunk) and local expert index.
+LAYER_INDEX = re.compile(r"^decoder\.layers\.(\d+)\.")
+EXPERT_INDEX = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def local_spec_name(name: str) -> str:
@@ -212,15 +212,15 @@ class Bridge:
     def mapping(self, chunk, name: str) -> ParamMapping:
         name = local_spec_name(name)
         template, layer, expert = name, None, None
-        m = _LAYER.match(name)
+        m = LAYER_INDEX.match(name)
         if m:
             local_layer = int(m.group(1))
             layer = chunk.decoder.layers[local_layer].layer_number - 1
-            template = _LAYER.sub("decoder.layers.{L}.", template)
-        e = _EXPERT.search(template)
+            template = LAYER_INDEX.sub("decoder.layers.{L}.", template)
+        e = EXPERT_INDEX.search(template)
         if e:
             expert = int(e.group(1))
-            template = _EXPERT.sub(".local_experts.{E}.", template)
+            template = EXPERT_INDEX.sub(".local_experts.{E}.", template)
         rule = self.rules.get(template) or self._by_prefix(name)
         if rule is None:
             raise WeightMappingError(f"no HF mapping for Megatron parameter {name!r} ({self.hf['model_type']})")
@@ -468,6 +468,18 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(out, t.contiguous(), group=group)
     return out
+
+
+def exported_parameters(chunk) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a chunk's parameters as an HF export sees them: a linear carrying a
+    LoRA adapter (`.lora`, models/lora.py) gives its merged weight under the weight's name,
+    and the adapter's own parameters nothing."""
+    adapters = {f"{name}.weight": module.lora for name, module in chunk.named_modules() if hasattr(module, "lora")}
+    for name, param in chunk.named_parameters():
+        if ".lora." in name:
+            continue
+        adapter = adapters.get(name)
+        yield name, adapter.merged(param) if adapter is not None else param.detach()
 
 
 def is_export_source() -> bool:

@@ -9,7 +9,7 @@ a column-parallel W (rows over TP: linear_qkv, linear_fc1) keeps A [r, in] whole
 rows split as W's are; a row-parallel W (columns over TP: linear_proj, linear_fc2) splits
 A's columns and keeps B [out, r] whole. So on every rank the merged local weight is
 W_local + scale·B_local·A_local, in W's own split (`merged_weight`), and the export and
-the weight sync need nothing else. The adapter runs beside the linear (a forward hook on
+the weight sync need nothing else (bridge.exported_parameters asks the adapter for it). The adapter runs beside the linear (a forward hook on
 it) with the same communication as the base: the column case gathers or copies its input
 into the TP region, the row case reduces its low-rank output as the base reduces its own.
 Where each rank holds a part of the whole gradient of a whole (replicated) A or B, it is
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import zlib
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from megatron_agent.models.bridge import EXPERT_INDEX, LAYER_INDEX
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
@@ -137,9 +138,13 @@ class LoraAdapter(torch.nn.Module):
     def _dropout(self, x):
         return torch.nn.functional.dropout(x, self.dropout, self.training) if self.dropout else x
 
-    def delta(self) -> torch.Tensor:
-        """scale·B·A for this rank's part of the linear's weight (its own split)."""
-        return (self.b.detach().float() @ self.a.detach().float()) * self.scale
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the linear's weight plus scale·B·A (the same split), in its
+        dtype; the weight itself while the adapter is off."""
+        if not self.enabled:
+            return weight.detach()
+        delta = (self.b.detach().float() @ self.a.detach().float()) * self.scale
+        return (weight.detach().float() + delta).to(weight.dtype)
 
 
 def _add_adapter_output(linear, args, output):
@@ -149,23 +154,19 @@ def _add_adapter_output(linear, args, output):
     return out + linear.lora(args[0]).to(out.dtype), bias
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-
-
 def _global_key(chunk, name: str) -> str:
     """The linear's name with global layer and expert indices: one key at any PP/EP layout."""
     from megatron.core import parallel_state as ps
 
-    m = _LAYER.match(name)
+    m = LAYER_INDEX.match(name)
     if m:
         layer = chunk.decoder.layers[int(m.group(1))].layer_number - 1
-        name = _LAYER.sub(f"decoder.layers.{layer}.", name)
-    e = _EXPERT.search(name)
+        name = LAYER_INDEX.sub(f"decoder.layers.{layer}.", name)
+    e = EXPERT_INDEX.search(name)
     if e:
         experts_per_rank = chunk.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
         expert = ps.get_expert_model_parallel_rank() * experts_per_rank + int(e.group(1))
-        name = _EXPERT.sub(f".local_experts.{expert}.", name)
+        name = EXPERT_INDEX.sub(f".local_experts.{expert}.", name)
     return name
 
 
@@ -210,10 +211,6 @@ def adapters(chunks: list):
                 yield module
 
 
-def has_lora(chunks: list) -> bool:
-    return next(adapters(chunks), None) is not None
-
-
 @contextlib.contextmanager
 def adapters_off(chunks: list):
     """The base model: every adapter of `chunks` adds nothing while inside."""
@@ -225,11 +222,6 @@ def adapters_off(chunks: list):
     finally:
         for a in switched:
             a.enabled = True
-
-
-def merged_weight(linear) -> torch.Tensor:
-    """W + scale·B·A of a linear with an adapter (this rank's part), in W's dtype."""
-    return (linear.weight.detach().float() + linear.lora.delta()).to(linear.weight.dtype)
 
 
 def lora_sharded_state(chunks: list) -> dict:
@@ -283,14 +275,14 @@ def describe_trainable(trainable: int, model_parameters: int, lora: LoraConfig |
 
 def lora_parameter_count(hf: dict, config: LoraConfig) -> int:
     """Adapter parameters of the whole model (every rank's, once), from its HF config."""
+    from megatron_agent.models.memory import attention_widths
     from megatron_agent.models.transformer_config import num_experts
 
-    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hidden // heads
-    kv = hf.get("num_key_value_heads", heads)
+    hidden = hf["hidden_size"]
+    q, kv, _ = attention_widths(hf)
     experts = num_experts(hf) or 0
     ffn = hf.get("moe_intermediate_size") if experts else hf["intermediate_size"]
-    shapes = {"linear_qkv": (hidden, (heads + 2 * kv) * head_dim), "linear_proj": (heads * head_dim, hidden),
+    shapes = {"linear_qkv": (hidden, q + 2 * kv), "linear_proj": (q, hidden),
               "linear_fc1": (hidden, 2 * ffn), "linear_fc2": (ffn, hidden)}
     per_layer = 0
     for target in config.targets:
@@ -298,19 +290,3 @@ def lora_parameter_count(hf: dict, config: LoraConfig) -> int:
         copies = (experts if config.experts else 0) if experts and target in ("linear_fc1", "linear_fc2") else 1
         per_layer += copies * config.rank * (n_in + n_out)
     return per_layer * hf["num_hidden_layers"]
-
-
-def exported_parameters(chunk):
-    """(name, tensor) of a chunk's parameters as an HF export sees them: a linear with an
-    adapter gives its merged weight under the weight's name; the adapters give nothing."""
-    with_adapter = {f"{name}.weight": module for name, module in chunk.named_modules()
-                    if isinstance(getattr(module, "lora", None), LoraAdapter)}
-    for name, param in chunk.named_parameters():
-        if isinstance(_owner(chunk, name), LoraAdapter):
-            continue
-        linear = with_adapter.get(name)
-        yield name, merged_weight(linear) if linear is not None and linear.lora.enabled else param.detach()
-
-
-def _owner(chunk, name: str):
-    return chunk.get_submodule(name.rsplit(".", 1)[0]) if "." in name else chunk

@@ -104,7 +104,7 @@ def parameter_counts(hf: dict) -> ParameterCounts:
     """`hf` as `read_hf_config` gives it (a VLM's text_config lifted, vision_config kept)."""
     family = family_of(hf)
     d, layers = hf["hidden_size"], hf["num_hidden_layers"]
-    q, kv, head_dim = _attention_widths(hf)
+    q, kv, head_dim = attention_widths(hf)
     attention = 2 * d * q + 2 * d * kv
     if family.qkv_bias(hf):
         attention += q + 2 * kv
@@ -124,7 +124,7 @@ def parameter_counts(hf: dict) -> ParameterCounts:
     )
 
 
-def _attention_widths(hf: dict) -> tuple[int, int, int]:
+def attention_widths(hf: dict) -> tuple[int, int, int]:
     """(query width, key/value width, head dim)."""
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -210,7 +210,7 @@ def activation_bytes(hf: dict, parallel: ParallelConfig, shape: MicroBatchShape,
                mergers' LayerNorm output, fc1 output and GELU output.
     """
     d = hf["hidden_size"]
-    q, kv, head_dim = _attention_widths(hf)
+    q, kv, head_dim = attention_widths(hf)
     tp = parallel.tp
     heads, kv_heads = q // head_dim // tp, max(1, kv // head_dim // tp)
     q_l, kv_l = q // tp, kv_heads * head_dim

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -300,24 +299,20 @@ def _merged_with_adapters(mcore_dir: Path, lora, base: _HFParams, exported):
 
 # --- LoRA -> PEFT ---------------------------------------------------------------------------
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-
-
 def peft_adapter(hf: dict, lora, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """PEFT's tensors (`base_model.model.<HF module>.lora_A.weight` [r, in], `lora_B` [out, r])
     for adapters on Megatron's fused linears: a fused linear's A goes to each HF module it
     is made of, and its B is cut into their rows by the bridge's own unfusing (q/k/v out of
     their query groups, gate and up). Experts come out one module per expert, the layout
     PEFT converts onto transformers' fused experts and SGLang reads."""
-    from megatron_agent.models.bridge import Bridge, Dims, unfuse
+    from megatron_agent.models.bridge import EXPERT_INDEX, LAYER_INDEX, Bridge, Dims, unfuse
     from megatron_agent.models.families.common import FUSED_EXPERTS
 
     bridge, dims = Bridge(hf), Dims.from_hf(hf, 1)
     out = {}
     for linear, (a, b) in sorted(adapters.items()):
-        layer, expert = _LAYER.match(linear), _EXPERT.search(linear)
-        template = _EXPERT.sub(".local_experts.{E}.", _LAYER.sub("decoder.layers.{L}.", linear)) + ".weight"
+        layer, expert = LAYER_INDEX.match(linear), EXPERT_INDEX.search(linear)
+        template = EXPERT_INDEX.sub(".local_experts.{E}.", LAYER_INDEX.sub("decoder.layers.{L}.", linear)) + ".weight"
         rule = bridge.rules.get(template)
         if rule is None or rule.fuse == FUSED_EXPERTS:
             raise ValueError(f"no PEFT module for {linear!r} ({hf['model_type']})"
