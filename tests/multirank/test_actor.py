@@ -108,11 +108,9 @@ def _name(layout):
     return ",".join(f"{k}={v}" for k, v in layout.items()) or "tp=1"
 
 
-def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
-    import torch.distributed as dist
-
-    from megatron_agent.algorithms import AlgorithmConfig
-    from megatron_agent.models import read_hf_config
+def actor_maker(model_dir: str, algorithm):
+    """On every rank of a job: the process group, once; then `make(layout, config)` builds an
+    Actor at that layout (destroy_model_parallel() between two)."""
     from megatron_agent.platform import (
         ParallelConfig,
         destroy_model_parallel,
@@ -120,28 +118,41 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         initialize_model_parallel,
         set_seed,
     )
-    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.training.actor import Actor
+
+    ctx = init_distributed(ParallelConfig(), seed=5)
+    destroy_model_parallel()
+
+    def make(layout: dict, config):
+        parallel = ParallelConfig(**layout)
+        initialize_model_parallel(parallel, ctx.world_size)
+        set_seed(5)
+        return Actor(model_dir, parallel, config, algorithm)
+
+    return make
+
+
+def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
+    import torch.distributed as dist
+
+    from megatron_agent.algorithms import AlgorithmConfig
+    from megatron_agent.models import read_hf_config
+    from megatron_agent.platform import destroy_model_parallel
+    from megatron_agent.training.actor import ActorConfig
     from megatron_agent.training.adam_steps import adam_steps, torch_optimizers
 
     hf = read_hf_config(model_dir)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01, entropy_coef=0.01)
     config = ActorConfig(lr=1e-4, max_tokens_per_micro_batch=32, use_distributed_optimizer=False)
-    ctx = init_distributed(ParallelConfig(), seed=5)
-    destroy_model_parallel()
+    make = actor_maker(model_dir, algorithm)
     results = {}
-
-    def make(layout):
-        parallel = ParallelConfig(**layout)
-        initialize_model_parallel(parallel, ctx.world_size)
-        set_seed(5)
-        return Actor(model_dir, parallel, config, algorithm)
 
     def weights(actor):
         return {k: v.clone() for k, v in actor.named_hf_weights()}
 
     for layout in [dict()] + layouts:
         batch = _batch(hf["vocab_size"])
-        actor = make(layout)
+        actor = make(layout, config)
         before = actor.compute_logprobs(batch)
         batch.old_logprobs = before["logprobs"]
         first = actor.update(batch)
@@ -167,7 +178,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
     config = replace(config_plain, use_distributed_optimizer=True)
     for name, optimizer_layout in (("distopt", contextlib.nullcontext), ("distopt fused", fused_adam_layout)):
         with optimizer_layout():
-            actor = make(dict())
+            actor = make(dict(), config)
             batch = _batch(hf["vocab_size"])
             batch.old_logprobs = actor.compute_logprobs(batch)["logprobs"]
             actor.update(batch)
@@ -179,7 +190,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
             results[name]["weights_2"] = weights(actor)
             del actor
             destroy_model_parallel()
-            actor = make(dict())
+            actor = make(dict(), config)
             actor.load(f"{ckpt_root}/{name}/iter_1")
             results["resumed " + name] = {"adam_steps": adam_steps(actor.optimizer),
                                           "optimizers": sorted({type(o).__name__
@@ -193,7 +204,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
     config = config_plain
 
     for layout in layouts:  # resume each checkpoint at TP=1 (DP=2) and take the second update
-        actor = make(dict())
+        actor = make(dict(), config)
         if layout.get("ep", 1) > 1:
             try:
                 actor.load(f"{ckpt_root}/{_name(layout)}/iter_1")

@@ -21,7 +21,7 @@ import torch
 
 from megatron_agent.models import read_hf_config
 from megatron_agent.platform.launch import run_on_ranks
-from tests.multirank.test_actor import TEMPERATURE, _batch, _max_diff, _merged_weights, _name
+from tests.multirank.test_actor import TEMPERATURE, _batch, _max_diff, _merged_weights, _name, actor_maker
 
 pytestmark = pytest.mark.multirank
 
@@ -35,28 +35,15 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
 
     from megatron_agent.algorithms import AlgorithmConfig
     from megatron_agent.models.lora import LoraConfig, adapters_off
-    from megatron_agent.platform import (
-        ParallelConfig,
-        destroy_model_parallel,
-        init_distributed,
-        initialize_model_parallel,
-        set_seed,
-    )
-    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.platform import destroy_model_parallel
+    from megatron_agent.training.actor import ActorConfig
 
     hf = read_hf_config(model_dir)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
     config = ActorConfig(lr=1e-3, max_tokens_per_micro_batch=32, use_distributed_optimizer=False,
                          lora=LoraConfig(rank=RANK, alpha=ALPHA))
-    ctx = init_distributed(ParallelConfig(), seed=5)
-    destroy_model_parallel()
+    make = actor_maker(model_dir, algorithm)
     results = {}
-
-    def make(layout):
-        parallel = ParallelConfig(**layout)
-        initialize_model_parallel(parallel, ctx.world_size)
-        set_seed(5)
-        return Actor(model_dir, parallel, config, algorithm)
 
     def weights(actor):
         return {k: v.clone() for k, v in actor.named_hf_weights()}
@@ -67,7 +54,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         return actor.update(batch)
 
     for layout in [dict()] + layouts:
-        actor = make(layout)
+        actor = make(layout, config)
         batch = _batch(hf["vocab_size"])
         out = {"before": actor.compute_logprobs(batch)["logprobs"], "trainable": actor.trainable_parameters,
                "optimized": sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])}
@@ -87,7 +74,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         destroy_model_parallel()
 
     for layout in resumable(layouts):  # each checkpoint resumed at TP=1 (DP=2) for the second update
-        actor = make(dict())
+        actor = make(dict(), config)
         actor.load(f"{ckpt_root}/{_name(layout)}/iter_1")
         update(actor, lambda: _batch(hf["vocab_size"]))
         results["resumed " + _name(layout)] = {"weights": weights(actor)}
