@@ -139,12 +139,14 @@ class LoraAdapter(torch.nn.Module):
         return torch.nn.functional.dropout(x, self.dropout, self.training) if self.dropout else x
 
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the linear's weight plus scale·B·A (the same split), in its
-        dtype; the weight itself while the adapter is off."""
-        if not self.enabled:
-            return weight.detach()
-        delta = (self.b.detach().float() @ self.a.detach().float()) * self.scale
-        return (weight.detach().float() + delta).to(weight.dtype)
+        """This rank's part of the linear's weight with the adapter merged in (the same split);
+        the weight itself while the adapter is off."""
+        return merge(weight.detach(), self.a.detach(), self.b.detach(), self.scale) if self.enabled else weight.detach()
+
+
+def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale·B·A, computed in fp32, in W's dtype."""
+    return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
 
 
 def _add_adapter_output(linear, args, output):

@@ -172,7 +172,7 @@ class Actor:
 
     def _report_trainable(self) -> None:
         """Log, once, the trainable parameters of the whole model and the optimizer's bytes for them."""
-        trainable, total = (_count_once(self.chunks, trainable_only) for trainable_only in (True, False))
+        trainable, total = _count_once(self.chunks)
         self.trainable_parameters = trainable
         if dist.get_rank() == 0:
             model = total - trainable if self.lora else total  # the adapters are not the model's
@@ -578,24 +578,23 @@ class Actor:
             torch.set_rng_state(rng["torch"])
 
 
-def _count_once(chunks: list, trainable_only: bool) -> int:
-    """Parameters of the whole model (every stage and shard, each once), on every rank."""
+def _count_once(chunks: list) -> tuple[int, int]:
+    """(trainable, all) parameters of the whole model (every stage and shard, each once), on every rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    local = 0
+    count = torch.zeros(2, dtype=torch.float64)
     for chunk in chunks:
         for p in chunk.parameters():
-            if (trainable_only and not p.requires_grad) or getattr(p, "shared", False):
+            if getattr(p, "shared", False):
                 continue  # a tied output layer is the embedding's copy
             expert = not getattr(p, "allreduce", True)
             dp_rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
             if dp_rank == 0 and param_is_not_tensor_parallel_duplicate(p):
-                local += p.numel()
-    count = torch.tensor([local], dtype=torch.float64)
+                count += torch.tensor([p.numel() if p.requires_grad else 0, p.numel()])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(count, group=control_group())
-    return int(count.item())
+    return int(count[0]), int(count[1])
 
 
 # What a rank with no sample runs to join its peers' collectives.

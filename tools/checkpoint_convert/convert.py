@@ -285,21 +285,20 @@ def read_adapters(mcore_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor
 
 def _merged_with_adapters(mcore_dir: Path, lora, base: _HFParams, exported):
     """(param, full tensor) in turn: the base's, plus scale·B·A where the linear has an adapter."""
+    from megatron_agent.models.lora import merge
+
     adapters = read_adapters(mcore_dir)
     for param in exported:
         full = base.full(param.name)
         adapter = adapters.pop(param.name.removesuffix(".weight"), None)
-        if adapter is not None:
-            a, b = adapter
-            full = (full.float() + lora.scale * (b.float() @ a.float())).to(full.dtype)
-        yield param, full
+        yield param, full if adapter is None else merge(full, *adapter, lora.scale)
     if adapters:
         raise ValueError(f"{mcore_dir}: adapters of linears the model does not have: {sorted(adapters)[:3]}")
 
 
 # --- LoRA -> PEFT ---------------------------------------------------------------------------
 
-def peft_adapter(hf: dict, lora, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def peft_adapter(hf: dict, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """PEFT's tensors (`base_model.model.<HF module>.lora_A.weight` [r, in], `lora_B` [out, r])
     for adapters on Megatron's fused linears: a fused linear's A goes to each HF module it
     is made of, and its B is cut into their rows by the bridge's own unfusing (q/k/v out of
@@ -337,7 +336,7 @@ def lora_to_peft(mcore_dir: str | Path, out_dir: str | Path) -> Path:
     if "lora" not in meta:
         raise ValueError(f"{mcore_dir} holds a whole model, no LoRA adapters: mcore-to-hf exports it")
     lora = LoraConfig(**meta["lora"])
-    tensors = peft_adapter(read_hf_config(mcore_dir / "hf"), lora, read_adapters(mcore_dir))
+    tensors = peft_adapter(read_hf_config(mcore_dir / "hf"), read_adapters(mcore_dir))
     modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[1] for key in tensors})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "use_rslora": False,
