@@ -77,7 +77,9 @@ def release_check(infos: dict[str, dict]) -> tuple[bool, str | None]:
 def make_weight_sync(actor, urls: list[str], config):
     from megatron_agent.weight_sync import WeightSync
 
-    return WeightSync(actor, urls, dataclasses.replace(config.weight_sync, transport=weight_transport(config)))
+    return WeightSync(actor, urls, dataclasses.replace(
+        config.weight_sync, transport=weight_transport(config),
+        adapter_dir=config.weight_sync.adapter_dir or str(Path(config.run_dir) / "adapters")))
 
 
 class EngineFleet:

@@ -27,7 +27,7 @@ from megatron_agent.trackers import LoggingConfig, logging_problem, resolve_logg
 from megatron_agent.training.actor import ActorConfig
 from megatron_agent.training.checks import LogprobCheckConfig
 from megatron_agent.warm_start import WarmStartConfig
-from megatron_agent.weight_sync import WeightSyncConfig
+from megatron_agent.weight_sync import LORA_SYNC_MODES, WeightSyncConfig
 from rollout.agent_loop import LOOP_MODES, AgentLoopConfig
 from rollout.engine_launch import EngineConfig
 
@@ -307,6 +307,28 @@ def validate_lora(run: RunConfig) -> None:
                           f"{run.placement.gpus_per_trainer} GPU(s) per trainer (Transformer Engine's layers): "
                           "adapters are built on the local layer spec's linears only so far; "
                           "set actor.layer_spec=local")
+    sync = run.weight_sync.lora
+    if sync not in LORA_SYNC_MODES:
+        raise ConfigError(f"weight_sync.lora={sync!r}; choose one of {LORA_SYNC_MODES}")
+    if sync == "merged":
+        return
+    if not run.actor.lora.enabled:
+        raise ConfigError("weight_sync.lora=adapters sends the actor's LoRA adapters alone; set actor.lora.rank > 0 "
+                          "(or weight_sync.lora=merged)")
+    if run.weight_sync.quantize:
+        raise ConfigError(f"weight_sync.lora=adapters with weight_sync.quantize={run.weight_sync.quantize}: the "
+                          "adapters go in the training dtype onto the engines' base weights; use one or the other")
+    from megatron_agent.models.lora import hf_module_names, peft_export_problem
+
+    hf = model_hf_config(run)
+    problem = peft_export_problem(hf, run.actor.lora)
+    if problem:
+        raise ConfigError(f"weight_sync.lora=adapters: {problem}; use weight_sync.lora=merged")
+    # resolved here, past the checks (it reads the model's config): requests name the adapters,
+    # and SGLang servers start ready for them
+    run.engine.lora_adapters = True
+    run.engine.max_lora_rank = run.actor.lora.rank
+    run.engine.lora_target_modules = hf_module_names(hf, run.actor.lora)
 
 
 def validate_routing_replay(run: RunConfig) -> None:

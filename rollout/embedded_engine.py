@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from rollout.engine_guard import generation_problem
+from rollout.engine_lora import AdapterProblem, EngineAdapters, read_peft_dir
 from rollout.engine_memory import free_parameters, memory_tags, reallocate_parameters, released_problem
 from rollout.engine_weights import (
     checkpoint_tensors,
@@ -150,6 +151,7 @@ class Request:
     images: RequestImages | None = None
     positions: torch.Tensor | None = None  # a vision-language model's mrope positions [3, len]
     routed_experts: bool = False  # return the experts each fed token went to
+    adapter: str | None = None  # the LoRA adapter it names (SGLang's lora_path); None: the base
     done: threading.Event = field(default_factory=threading.Event)
     result: Completion | None = None
     error: str | None = None  # why it failed inside the worker (no traceback: that is logged)
@@ -219,6 +221,7 @@ class Engine:
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self.receive_scratch = torch.empty(0, dtype=torch.uint8)  # reused by buckets that cannot land in place
         self.freed: list = []  # the parameters "weights" freed, with their shapes
+        self.adapters = EngineAdapters(self.weight_view)  # LoRA adapters by name (rollout/engine_lora.py)
         self.batch_running = False
         self.worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
         self.worker.start()
@@ -278,10 +281,11 @@ class Engine:
         return RequestImages(ids, pixel_values, grid)
 
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str,
-               images: RequestImages | None = None, routed_experts: bool = False) -> Request:
+               images: RequestImages | None = None, routed_experts: bool = False,
+               adapter: str | None = None) -> Request:
         """Queue one request. `images`: its `prepare_images` (then `input_ids` are unused:
         the images carry the expanded ids). `routed_experts`: return the experts each fed
-        token went to (an MoE model)."""
+        token went to (an MoE model). `adapter`: the loaded LoRA adapter it runs with."""
         if routed_experts and self.routes is None:
             raise BadRequest(f"return_routed_experts: {self.model_path} is not a mixture-of-experts model",
                              "return_routed_experts")
@@ -294,7 +298,7 @@ class Engine:
                                      max_new_tokens_cap=self.max_new_tokens_cap)
         if problem:
             raise BadRequest(problem)
-        req = Request(list(map(int, input_ids)), params, rid, images, routed_experts=routed_experts)
+        req = Request(list(map(int, input_ids)), params, rid, images, routed_experts=routed_experts, adapter=adapter)
         if self.vision:
             try:
                 req.positions = mrope_positions(req.input_ids, self.image_pad_id,
@@ -302,19 +306,26 @@ class Engine:
                                                 merge_size(self.image_processor))
             except ImageTokenMismatch as err:
                 raise BadRequest(f"{err} (send each image in image_data, one image pad per image)") from None
+        try:
+            self.adapters.acquire(adapter)  # released when the request is done (`_done`)
+        except AdapterProblem as err:
+            raise BadRequest(str(err), "lora_path") from None
         self.queue.put(req)
         return req
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
                  images: list[RequestImages | None] | None = None,
-                 routed_experts: bool = False) -> list[Completion]:
+                 routed_experts: bool = False, adapters: list[str | None] | None = None) -> list[Completion]:
         """Queue one request per prompt and wait for them all (they batch with others).
         `images`: each prompt's `prepare_images` (None: a text prompt). `routed_experts`:
-        for every prompt, as SGLang's one `return_routed_experts` per call."""
+        for every prompt, as SGLang's one `return_routed_experts` per call. `adapters`: each
+        prompt's LoRA adapter (None: the base model)."""
         images = images if images is not None else [None] * len(prompts)
-        if not (len(params) == len(rids) == len(prompts) == len(images)):
-            raise BadRequest("input_ids, sampling_params, rid and image_data differ in length")
-        reqs = [self.submit(p, sp, rid, im, routed_experts) for p, sp, rid, im in zip(prompts, params, rids, images)]
+        adapters = adapters if adapters is not None else [None] * len(prompts)
+        if not (len(params) == len(rids) == len(prompts) == len(images) == len(adapters)):
+            raise BadRequest("input_ids, sampling_params, rid, image_data and lora_path differ in length")
+        reqs = [self.submit(p, sp, rid, im, routed_experts, adapter)
+                for p, sp, rid, im, adapter in zip(prompts, params, rids, images, adapters)]
         for req in reqs:
             req.done.wait()
             if req.error is not None:
@@ -336,7 +347,8 @@ class Engine:
             try:
                 self.batch_running = True
                 self.batch_epoch = self.abort_epoch
-                self._run_isolated(batch)
+                for adapter in dict.fromkeys(r.adapter for r in batch):  # one adapter merged per batch
+                    self._run_isolated([r for r in batch if r.adapter == adapter])
             finally:
                 self.batch_running = False
 
@@ -356,7 +368,7 @@ class Engine:
             else:
                 req.error = (f"request {req.rid} failed inside the engine ({why}); the engine's log has the "
                              "traceback")
-                req.done.set()
+                self._done(req)
 
     def _wait_unpaused(self, epoch: int) -> bool:
         """Block while paused; True when the batch (started at `epoch`) is to be aborted."""
@@ -413,7 +425,9 @@ class Engine:
         for row in rows:
             if row.max_new_tokens <= 0:
                 row.finish = {"type": "length", "length": 0}
+        adapter = batch[0].adapter
         with self.model_lock:
+            self.adapters.serve(adapter)
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                 logits_to_keep=1, **extra, **{self.cache_kw: cache}).logits[:, -1, :].float()
             version = self.weight_version
@@ -463,6 +477,7 @@ class Engine:
             if self.vision:  # the three mrope axes alike, as for any text token
                 step_positions = step_positions.unsqueeze(0).expand(3, -1, -1)
             with self.model_lock:
+                self.adapters.serve(adapter)  # again after a weight update, which puts the base back
                 logits = self.model(input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
                                     attention_mask=mask, position_ids=step_positions, use_cache=True,
                                     **{self.cache_kw: cache}).logits[:, -1, :].float()
@@ -495,7 +510,12 @@ class Engine:
             routed_experts=np.concatenate(row.routes) if row.routes else None,
             token_versions=list(row.versions) if len(set(row.versions)) > 1 else None,
         )
-        req.done.set()
+        self._done(req)
+
+    def _done(self, req: Request) -> None:
+        if not req.done.is_set():
+            self.adapters.release(req.adapter)
+            req.done.set()
 
     # -- control -----------------------------------------------------------------------
     def pause(self, mode: str) -> None:
@@ -526,6 +546,7 @@ class Engine:
             if self.batch_running or not self.queue.empty():
                 raise BadRequest("release_memory_occupation needs an idle engine (pause or finish generation first)")
             if "weights" in tags and "weights" not in self.released:
+                self.adapters.restore_base()
                 self.freed = free_parameters(self.model)
             self.released |= set(tags)
             if self.device.type == "cuda":  # back to the driver, for the colocated trainer
@@ -600,6 +621,7 @@ class Engine:
             raise BadRequest(f"load_format={load_format!r}; use null or 'flattened_bucket'")
         flattened = load_format == "flattened_bucket"
         with self.model_lock, torch.no_grad():
+            self.adapters.restore_base()
             views = self._weight_views(names, keep_vars=True)
             problem = self._load_problem(names, views, shapes)
             if problem:
@@ -658,6 +680,39 @@ class Engine:
         if weight_version is not None:
             self.weight_version = weight_version
 
+    # -- LoRA adapters (rollout/engine_lora.py) ------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """A PEFT adapter directory, as adapter `name`."""
+        try:
+            self._load_adapter(name, *read_peft_dir(path))
+        except AdapterProblem as err:
+            raise BadRequest(str(err), "lora_path") from None
+
+    def load_lora_adapter_from_tensors(self, name: str, config: dict, serialized_named_tensors: list[str],
+                                       load_format: str | None = None) -> None:
+        """An adapter whose tensors' handles the trainer sent (entry 0: this engine's rank)."""
+        if not serialized_named_tensors:
+            raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)")
+        try:
+            named = _named_tensors(deserialize_named_tensors(serialized_named_tensors[0], load_format))
+        except Exception as err:  # what the entry holds is the request's
+            raise BadRequest(f"serialized_named_tensors: {type(err).__name__}: {_clip(err)}",
+                             "serialized_named_tensors") from None
+        self._load_adapter(name, config, dict(named))  # copied out of the sender's memory
+
+    def _load_adapter(self, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        with self.model_lock:
+            try:
+                self.adapters.load(name, config, tensors)
+            except AdapterProblem as err:
+                raise BadRequest(str(err)) from None
+
+    def unload_lora_adapter(self, name: str) -> None:
+        try:
+            self.adapters.unload(name, self.model_lock)
+        except AdapterProblem as err:
+            raise BadRequest(str(err), "lora_name") from None
+
     def weight_view(self, name: str) -> torch.Tensor | None:
         """The model tensor a checkpoint-format HF name refers to (None if none does)."""
         return self._view_of(self.model.state_dict(), name)
@@ -674,6 +729,7 @@ class Engine:
         if problem:
             raise BadRequest(problem)
         with self.model_lock:
+            self.adapters.restore_base()
             self._copy_in(named, views)
 
     @torch.no_grad()
@@ -726,7 +782,8 @@ class Engine:
     def model_info(self) -> dict:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
                 "is_generation": True, "weight_version": self.weight_version,
-                "engine": "megatron-agent-embedded", "memory_released": sorted(self.released)}
+                "engine": "megatron-agent-embedded", "memory_released": sorted(self.released),
+                "lora_adapters": sorted(self.adapters.loaded)}
 
 
 def _named_tensors(named) -> list[tuple[str, torch.Tensor]]:

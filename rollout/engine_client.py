@@ -36,6 +36,10 @@ Bodies are taken as the servers send them: JSON when it parses, else the text (S
 /flush_cache answers 200 with plain text); only the status code says whether a call
 failed, plus `"success": false` in a JSON answer.
 
+LoRA (`lora_adapters`: the trainer syncs its adapters alone, weight_sync.lora=adapters):
+each /generate call first asks its server's weight version and names that version's
+adapter (`lora_path`; none before the first sync); its answers carry that version.
+
 JSON: bodies are written and read with orjson wherever it gives the value the stdlib's
 `json` gives, else (or without orjson installed) with `json` itself, so every value sent
 and read is the stdlib's (`encode_json`, `decode_json`; `token_id_list` makes a prompt's
@@ -59,6 +63,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from rollout.engine_lora import adapter_name
 from rollout.engine_responses import GenerateOutput, MalformedAnswer, generate_outputs
 
 try:
@@ -274,7 +279,7 @@ class EngineClient:
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 300.0, max_attempts: int = 3,
                  auth_token: str | None = None, max_sticky_keys: int = 1_000_000,
                  max_inflight_per_engine: int = 64, rebalance_threshold: int = 32, requests_per_call: int = 1,
-                 transport=None, route_shape=None):
+                 transport=None, route_shape=None, lora_adapters: bool = False):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -298,6 +303,9 @@ class EngineClient:
         self.dead_events: list[tuple[str, str]] = []  # (url, reason), for tests and metrics
         # asks every request for its routed experts, read in this shape (rollout/routed_experts.py)
         self.route_shape = route_shape
+        # the engines serve the trainer's LoRA adapters (weight_sync.lora=adapters): every call
+        # names the adapter of the server's weight version, asked first (`_serving_version`)
+        self.lora_adapters = lora_adapters
 
     # -- generation --------------------------------------------------------------------
     def generate(
@@ -475,6 +483,9 @@ class EngineClient:
             body["rid"] = list(rids)
         if image_data and any(image_data):  # SGLang's per-request lists; [] for a text request
             body["image_data"] = [list(images or []) for images in image_data]
+        version = self._serving_version(url) if self.lora_adapters else None
+        if version is not None and adapter_name(version) is not None:
+            body["lora_path"] = adapter_name(version)
         status, payload = self._call(url, "/generate", body)
         if status >= 500:
             raise _ServerFailed(f"HTTP {status}: {_shown(payload)}")
@@ -484,7 +495,9 @@ class EngineClient:
             answers = generate_outputs(payload, len(input_ids), url, self.route_shape)
         except MalformedAnswer as e:
             raise _ServerFailed(f"malformed /generate answer for {len(input_ids)} prompt(s): {e}") from None
-        for k, (_, meta) in enumerate(answers):
+        for k, (out, meta) in enumerate(answers):
+            if version is not None:  # the adapter's version, whatever the server holds by the end
+                out.weight_version, out.token_versions = version, None
             expected = prompt_tokens[k] if prompt_tokens else None
             if expected is not None and meta.get("prompt_tokens") != expected:
                 raise EngineError(
@@ -492,6 +505,16 @@ class EngineClient:
                     f"expanded ids (each image pad repeated its image's token count) are {expected} tokens: the "
                     "server's image processor or chat template differs from the rollout's")
         return [out for out, _ in answers]
+
+    def _serving_version(self, url: str) -> str:
+        """The server's weight version, whose adapter the call names: an adapter-only sync
+        loads version N's adapter before it sets version N, and unloads it only once two
+        newer ones are in, waiting for the requests that name it."""
+        status, payload = self._call(url, "/get_weight_version", None)
+        version = payload.get("weight_version") if status == 200 and isinstance(payload, dict) else None
+        if type(version) not in (str, int):
+            raise _ServerFailed(f"/get_weight_version answered HTTP {status}: {_shown(payload)}")
+        return str(version)
 
     def _call(self, url: str, path: str, body: dict | None, timeout_s: float | None = None):
         try:

@@ -63,6 +63,12 @@ class EngineConfig:
     # Ask for each fed token's experts (MoE routing replay; SGLang's --enable-return-routed-
     # experts, rollout/routed_experts.py); the run turns it on with algorithm.routing_replay.
     return_routed_experts: bool = False
+    # Serve the trainer's LoRA adapters (weight_sync.lora=adapters, which turns it on): each
+    # request names its server's current adapter; SGLang servers start with --enable-lora,
+    # --max-lora-rank and --lora-target-modules (HF module names), set from actor.lora.
+    lora_adapters: bool = False
+    max_lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ()
 
 
 # Colocated SGLang's default --mem-fraction-static. SGLang (0.5.23) sizes its KV cache so
@@ -212,7 +218,9 @@ def sglang_server_command(config: EngineConfig, model_path: str | Path, port: in
             *(["--enable-memory-saver"] if colocated else []),
             *(["--mem-fraction-static", str(fraction)] if fraction is not None else []),
             *(["--api-key", token] if token else []),
-            *(["--enable-return-routed-experts"] if config.return_routed_experts else []), *config.server_args]
+            *(["--enable-return-routed-experts"] if config.return_routed_experts else []),
+            *(["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--lora-target-modules",
+               *config.lora_target_modules] if config.lora_adapters else []), *config.server_args]
 
 
 def sglang_model_environment(model_path: str | Path, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -388,7 +396,8 @@ def engine_client(config: EngineConfig, urls: list[str], model_path: str | Path 
     return EngineClient(urls, timeout_s=config.timeout_s, max_attempts=config.max_attempts,
                         auth_token=config.auth_token, max_inflight_per_engine=config.max_inflight_per_engine,
                         requests_per_call=config.requests_per_call,
-                        route_shape=route_shape(model_path) if config.return_routed_experts else None)
+                        route_shape=route_shape(model_path) if config.return_routed_experts else None,
+                        lora_adapters=config.lora_adapters)
 
 
 def start_engines(config: EngineConfig, model_path: str | Path | None = None,

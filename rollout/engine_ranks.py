@@ -199,11 +199,13 @@ class RankedEngine(Engine):
 
     # -- generation --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
-                 images: list | None = None, routed_experts: bool = False) -> list[Completion]:
+                 images: list | None = None, routed_experts: bool = False,
+                 adapters: list[str | None] | None = None) -> list[Completion]:
         """Deal the prompts round-robin over the ranks; each completion names its rank."""
         images = images if images is not None else [None] * len(prompts)
-        if not (len(params) == len(rids) == len(prompts) == len(images)):
-            raise BadRequest("input_ids, sampling_params, rid and image_data differ in length")
+        adapters = adapters if adapters is not None else [None] * len(prompts)
+        if not (len(params) == len(rids) == len(prompts) == len(images) == len(adapters)):
+            raise BadRequest("input_ids, sampling_params, rid, image_data and lora_path differ in length")
         with self._deal_lock:
             first, self._dealt = self._dealt, self._dealt + len(prompts)
         shares = [[i for i in range(len(prompts)) if (first + i) % self.ranks == r] for r in range(self.ranks)]
@@ -212,12 +214,12 @@ class RankedEngine(Engine):
             return [values[i] for i in shares[r]]
 
         futures = {r: self.peers[r - 1].call("generate", part(prompts, r), part(params, r), part(rids, r),
-                                             part(images, r), routed_experts)
+                                             part(images, r), routed_experts, part(adapters, r))
                    for r in range(1, self.ranks) if shares[r]}
         local: Future = Future()
         try:
             local.set_result(super().generate(part(prompts, 0), part(params, 0), part(rids, 0), part(images, 0),
-                                              routed_experts) if shares[0] else [])
+                                              routed_experts, part(adapters, 0)) if shares[0] else [])
         except Exception as err:
             local.set_exception(err)
         ranks = [0, *futures]
@@ -282,6 +284,28 @@ class RankedEngine(Engine):
 
     def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         self._everywhere("update_from_disk", model_path, weight_version)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        self._everywhere("load_lora_adapter", name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._everywhere("unload_lora_adapter", name)
+
+    def load_lora_adapter_from_tensors(self, name: str, config: dict, serialized_named_tensors: list[str],
+                                       load_format: str | None = None) -> None:
+        """Rank r loads entry r, as update_from_tensor."""
+        if len(serialized_named_tensors) != self.ranks:
+            raise BadRequest(f"serialized_named_tensors has {len(serialized_named_tensors)} entries; this engine "
+                             f"has {self.ranks} ranks (count them from /get_server_info's tp_size)")
+        futures = [p.call("load_lora_adapter_from_tensors", name, config, [serialized_named_tensors[p.rank]],
+                          load_format) for p in self.peers]
+        local: Future = Future()
+        try:
+            local.set_result(super().load_lora_adapter_from_tensors(name, config, serialized_named_tensors[:1],
+                                                                    load_format))
+        except Exception as err:
+            local.set_exception(err)
+        _gather([local, *futures])
 
     def update_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
                            weight_version: str | None = None) -> None:

@@ -112,6 +112,7 @@ class GenerateRequest:
     return_logprob: list[bool]
     image_data: object  # as sent; checked with the images (engine_server._request_images)
     routed_experts: bool = False  # return_routed_experts: the experts each fed token went to (MoE)
+    adapters: list[str | None] | None = None  # lora_path: each prompt's LoRA adapter by name (None: the base)
 
 
 def parse_sampling_params(p, field: str, *, prompt_tokens: int, limits: GenerationLimits) -> SamplingParams:
@@ -265,7 +266,12 @@ def parse_generate(body: dict, limits: GenerationLimits, prompt_tokens: list[int
     logprob = _per_prompt(body.get("return_logprob"), "return_logprob", n)
     logprob = [optional({"return_logprob": v}, "return_logprob", boolean, False) for v in logprob]
     routed = optional(body, "return_routed_experts", boolean, False)  # one for the call, as SGLang's
-    return GenerateRequest(prompts, sampling, rids, single, logprob, body.get("image_data"), routed)
+    adapters = _per_prompt(body.get("lora_path"), "lora_path", n)
+    for i, adapter in enumerate(adapters):
+        if adapter is not None:
+            string(adapter, "lora_path" if n == 1 else f"lora_path[{i}]", non_empty=True)
+    return GenerateRequest(prompts, sampling, rids, single, logprob, body.get("image_data"), routed,
+                           adapters if any(a is not None for a in adapters) else None)
 
 
 def _rids(rid, n: int, single: bool) -> list[str]:
@@ -396,6 +402,45 @@ def parse_disk_update(body: dict) -> DiskUpdateRequest:
     optional(body, "load_format", lambda v, f: one_of(v, f, (None, "auto")))
     return DiskUpdateRequest(required(body, "model_path", lambda v, f: string(v, f, non_empty=True, path=True)),
                              _update_options(body))
+
+
+# -- LoRA adapters (rollout/engine_lora.py) ---------------------------------------------------
+
+@dataclass(frozen=True)
+class AdapterRequest:
+    lora_name: str
+    lora_path: str | None = None  # /load_lora_adapter: a PEFT adapter directory
+    config_dict: dict | None = None  # /load_lora_adapter_from_tensors: its adapter_config.json
+    serialized_named_tensors: list[str] | None = None
+    load_format: str | None = None
+
+
+def parse_load_adapter(body: dict) -> AdapterRequest:
+    """SGLang's LoadLoRAAdapterReqInput: lora_name and lora_path (`pinned` ignored)."""
+    optional(body, "pinned", boolean)
+    return AdapterRequest(required(body, "lora_name", lambda v, f: string(v, f, non_empty=True)),
+                          required(body, "lora_path", lambda v, f: string(v, f, non_empty=True, path=True)))
+
+
+def parse_load_adapter_from_tensors(body: dict) -> AdapterRequest:
+    """SGLang's LoadLoRAAdapterFromTensorsReqInput: lora_name, config_dict (an object),
+    serialized_named_tensors (one base64 entry per engine rank), load_format."""
+    optional(body, "pinned", boolean)
+    config = required(body, "config_dict", lambda v, f: v if type(v) is dict else _not_object(f))
+    serialized = required(body, "serialized_named_tensors", strings)
+    if not serialized:
+        raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)", "serialized_named_tensors")
+    return AdapterRequest(required(body, "lora_name", lambda v, f: string(v, f, non_empty=True)), None, config,
+                          serialized, optional(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_TENSOR)))
+
+
+def parse_unload_adapter(body: dict) -> AdapterRequest:
+    """SGLang's UnloadLoRAAdapterReqInput: lora_name."""
+    return AdapterRequest(required(body, "lora_name", lambda v, f: string(v, f, non_empty=True)))
+
+
+def _not_object(field: str):
+    raise BadRequest(f"{field} must be an object", field)
 
 
 # -- the others --------------------------------------------------------------------------------

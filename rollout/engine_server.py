@@ -12,7 +12,9 @@ memory, SGLang's format: rollout/weight_tensors.py), /release_memory_occupation 
 reports `memory_released`), /update_weights_from_disk, /weights_checksum (not in
 SGLang: the weight-sync check), /update_weight_version, /pause_generation,
 /continue_generation, /flush_cache (no prefix cache is kept; always succeeds),
-/get_server_info (/server_info; `tp_size`: the engine's weight-update ranks, `--ranks N`).
+/get_server_info (/server_info; `tp_size`: the engine's weight-update ranks, `--ranks N`),
+/load_lora_adapter, /load_lora_adapter_from_tensors and /unload_lora_adapter (LoRA adapters
+by name, which /generate's `lora_path` names: rollout/engine_lora.py).
 
 `--ranks N` (default 1) runs the engine as N weight-update ranks, N replicas dealt
 each batch round-robin (`rollout/engine_ranks.py`); /weights_checksum then answers 500
@@ -36,8 +38,8 @@ failed inside the batch, alone: the batch is run again without it; ranks that di
 Guards (docs/security.md): bound to 127.0.0.1 by default; bound anywhere else it refuses
 to start without a token (--auth-token or MEGATRON_AGENT_ENGINE_TOKEN). With a token,
 every weight-changing or control call (`CONTROL_PATHS`) must carry `Authorization: Bearer
-<token>` (compared in constant time; 401 otherwise). /update_weights_from_disk loads only
-directories under --allowed-weight-dirs (default: the model's directory), any other path
+<token>` (compared in constant time; 401 otherwise). /update_weights_from_disk (and
+/load_lora_adapter) loads only directories under --allowed-weight-dirs (default: the model's directory), any other path
 only with the token (403 otherwise, nothing loaded). A body over --max-body-bytes answers
 413; max_new_tokens over --max-new-tokens or past the model's context, and input ids that
 are not integers within the vocabulary, answer 400. A client has --request-timeout-s (60)
@@ -86,10 +88,13 @@ from rollout.engine_requests import (
     parse_generate,
     parse_group_name,
     parse_init_group,
+    parse_load_adapter,
+    parse_load_adapter_from_tensors,
     parse_memory_tags,
     parse_pause,
     parse_selector,
     parse_tensor_update,
+    parse_unload_adapter,
     parse_weight_version,
     parse_weights_checksum,
 )
@@ -106,6 +111,7 @@ CONTROL_PATHS = frozenset({
     "/end_weight_update", "/update_weights_from_distributed", "/update_weights_from_disk",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache",
     "/update_weights_from_tensor", "/release_memory_occupation", "/resume_memory_occupation",
+    "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
 })
 
 # A route's handler takes the engine and the parsed JSON body and returns the 200 answer;
@@ -146,7 +152,7 @@ def generate(engine: Engine, body: dict):
             req = replace(parse_generate(body, limits, expanded), rids=req.rids)
         except BadRequest as err:
             raise BadRequest(f"{err} (with each image pad expanded to its image's tokens)", err.field) from None
-    completions = engine.generate(req.prompts, req.sampling, req.rids, images, req.routed_experts)
+    completions = engine.generate(req.prompts, req.sampling, req.rids, images, req.routed_experts, req.adapters)
     results = [completion_json(c, lp) for c, lp in zip(completions, req.return_logprob)]
     return results[0] if req.single else results
 
@@ -242,6 +248,30 @@ def _update_from_disk(engine: Engine, body: dict) -> dict:
     return _ok(weight_version=engine.weight_version)
 
 
+def _load_adapter(engine: Engine, body: dict) -> dict:
+    req = parse_load_adapter(body)
+    engine.load_lora_adapter(req.lora_name, req.lora_path)
+    return _adapters_answer(engine)
+
+
+def _load_adapter_from_tensors(engine: Engine, body: dict) -> dict:
+    req = parse_load_adapter_from_tensors(body)
+    engine.load_lora_adapter_from_tensors(req.lora_name, req.config_dict, req.serialized_named_tensors,
+                                          req.load_format)
+    return _adapters_answer(engine)
+
+
+def _unload_adapter(engine: Engine, body: dict) -> dict:
+    engine.unload_lora_adapter(parse_unload_adapter(body).lora_name)
+    return _adapters_answer(engine)
+
+
+def _adapters_answer(engine: Engine) -> dict:
+    """SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters {name: path}."""
+    return {"success": True, "error_message": None,
+            "loaded_adapters": {name: "__tensor__" for name in engine.adapters.loaded}}
+
+
 def _weights_checksum(engine: Engine, body: dict) -> dict:
     names, per_rank = parse_weights_checksum(body)
     if per_rank:
@@ -302,6 +332,9 @@ _HANDLERS: dict[str, Handler] = {
     "/pause_generation": _pause,
     "/continue_generation": _resume,
     "/flush_cache": _flush_cache,
+    "/load_lora_adapter": _load_adapter,
+    "/load_lora_adapter_from_tensors": _load_adapter_from_tensors,
+    "/unload_lora_adapter": _unload_adapter,
 }
 # (method, path) -> handler. Every path answers GET and POST alike, as it always has.
 ROUTES: dict[tuple[str, str], Handler] = {(m, p): h for p, h in _HANDLERS.items() for m in ALLOWED_METHODS}
@@ -317,20 +350,20 @@ def make_handler(engine: Engine, token: str | None, *, allowed_weight_dirs: Sequ
     answer 413."""
     weight_dirs = resolved_dirs(allowed_weight_dirs if allowed_weight_dirs is not None else [engine.model_path])
 
-    def disk_path(path: str, trusted: bool) -> str:
+    def disk_path(path: str, trusted: bool, field: str = "model_path") -> str:
         try:
             allowed = trusted or may_load_from(path, weight_dirs)
             real = Path(path).expanduser().resolve()
             is_dir = real.is_dir()
         except (OSError, RuntimeError, ValueError) as err:  # a name too long, "~nobody", ...
-            raise BadRequest(f"model_path {describe(path)} is no usable path: {type(err).__name__}",
-                             "model_path") from None
+            raise BadRequest(f"{field} {describe(path)} is no usable path: {type(err).__name__}",
+                             field) from None
         if not allowed:
-            raise Refused(403, f"model_path {path} is outside the directories this engine loads weights from "
+            raise Refused(403, f"{field} {path} is outside the directories this engine loads weights from "
                                f"({', '.join(map(str, weight_dirs))}); start it with --allowed-weight-dirs, "
-                               "or send its token", "model_path")
+                               "or send its token", field)
         if not is_dir:
-            raise BadRequest(f"model_path {path} is not a directory on the engine's machine", "model_path")
+            raise BadRequest(f"{field} {path} is not a directory on the engine's machine", field)
         return str(real)
 
     class RequestHandler(JsonRequestHandler):
@@ -370,6 +403,9 @@ def make_handler(engine: Engine, token: str | None, *, allowed_weight_dirs: Sequ
                 body = parse_json_object(raw) if method == "POST" and raw else {}
                 if path == "/update_weights_from_disk":
                     body = {**body, "model_path": disk_path(parse_disk_update(body).model_path, trusted=authorized)}
+                elif path == "/load_lora_adapter":
+                    body = {**body, "lora_path": disk_path(parse_load_adapter(body).lora_path, trusted=authorized,
+                                                           field="lora_path")}
                 self.send_json(200, handler(engine, body))
             except Refused as e:
                 self.send_json(e.code, error_body(str(e), e.field), close=True)

@@ -459,7 +459,7 @@ def pack_parameters(chunks: list, hf: dict) -> None:
 # --- exporting HF tensors -------------------------------------------------------------
 
 
-def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+def all_gather_shards(t: torch.Tensor, group) -> list[torch.Tensor]:
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
@@ -513,9 +513,9 @@ def export_hf_weights(chunks: list, hf: dict, out: Destination | None = None) ->
                 if not m.rule.export:
                     continue
                 if m.rule.split != REPLICATED:
-                    local = unshard(m.rule.split, _all_gather(local, _tp_group(m.is_expert)))
+                    local = unshard(m.rule.split, all_gather_shards(local, _tp_group(m.is_expert)))
                 if m.is_expert:
-                    for ep_rank, full in enumerate(_all_gather(local, ps.get_expert_model_parallel_group())):
+                    for ep_rank, full in enumerate(all_gather_shards(local, ps.get_expert_model_parallel_group())):
                         if source:
                             yield m, ep_rank * experts_per_rank + m.local_expert, full
                 elif source:

@@ -292,3 +292,116 @@ def lora_parameter_count(hf: dict, config: LoraConfig) -> int:
         copies = (experts if config.experts else 0) if experts and target in ("linear_fc1", "linear_fc2") else 1
         per_layer += copies * config.rank * (n_in + n_out)
     return per_layer * hf["num_hidden_layers"]
+
+
+# --- the adapters whole, as PEFT names them -------------------------------------------------
+
+
+def whole_adapters(chunks: list, hf: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """{linear's TP=1 name (global layer and expert indices): (A, B)} of every adapter of
+    the model, whole, on global rank 0 (None elsewhere). Every rank calls it: the split
+    factor is gathered over the linear's TP group and unsplit as the weight is, then each
+    TP-0, DP-0 rank's adapters (its stage's, its experts') go to rank 0."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_agent.models.bridge import Bridge, all_gather_shards, unshard
+    from megatron_agent.platform import control_group
+
+    bridge, mine = Bridge(hf), {}
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            adapter = getattr(module, "lora", None)
+            if not isinstance(adapter, LoraAdapter):
+                continue
+            split = bridge.mapping(chunk, f"{name}.weight").rule.split
+            a, b = adapter.a.detach(), adapter.b.detach()
+            if adapter.column:
+                b = unshard(split, all_gather_shards(b, adapter.group))
+            else:
+                a = unshard(split, all_gather_shards(a, adapter.group))
+            expert = ".local_experts." in adapter.key
+            dp_rank = (ps.get_expert_data_parallel_rank() if expert
+                       else ps.get_data_parallel_rank(with_context_parallel=True))
+            if dist.get_rank(adapter.group) == 0 and dp_rank == 0:
+                mine[adapter.key] = (a.cpu().clone(), b.cpu().clone())
+    group = control_group()
+    if dist.get_world_size(group) == 1:
+        return mine
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0, group=group)
+    return {k: v for part in gathered for k, v in part.items()} if gathered is not None else None
+
+
+def peft_tensors(hf: dict, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """PEFT's tensors (`base_model.model.<HF module>.lora_A.weight` [r, in], `lora_B` [out, r])
+    for adapters on Megatron's fused linears (`whole_adapters`' keys): a fused linear's A
+    goes to each HF module it is made of, and its B is cut into their rows by the bridge's
+    own unfusing (q/k/v out of their query groups, gate and up). Experts come out one
+    module per expert, the layout PEFT converts onto transformers' fused experts and
+    SGLang reads."""
+    from megatron_agent.models.bridge import Bridge, Dims, unfuse
+    from megatron_agent.models.families.common import FUSED_EXPERTS
+
+    bridge, dims = Bridge(hf), Dims.from_hf(hf, 1)
+    out = {}
+    for linear, (a, b) in sorted(adapters.items()):
+        layer, expert = LAYER_INDEX.match(linear), EXPERT_INDEX.search(linear)
+        template = EXPERT_INDEX.sub(".local_experts.{E}.", LAYER_INDEX.sub("decoder.layers.{L}.", linear)) + ".weight"
+        rule = bridge.rules.get(template)
+        if rule is None or rule.fuse == FUSED_EXPERTS:
+            raise ValueError(f"no PEFT module for {linear!r} ({hf['model_type']})"
+                             + (": experts kept fused in HF are not exported yet" if rule else ""))
+        modules = [name.format(L=int(layer.group(1)), E=int(expert.group(1)) if expert else None)
+                   .removesuffix(".weight") for name in rule.hf]
+        for module, b_part in zip(modules, unfuse(rule.fuse, b, dims)):
+            out[f"base_model.model.{module}.lora_A.weight"] = a.clone()  # one A per module, as PEFT keeps it
+            out[f"base_model.model.{module}.lora_B.weight"] = b_part.contiguous()
+    return out
+
+
+def _targeted_rules(hf: dict, lora: LoraConfig):
+    """The bridge's rules of the decoder's linears `lora` targets."""
+    from megatron_agent.models.bridge import Bridge
+
+    for rule in Bridge(hf).rules.values():
+        leaf = rule.mcore.removesuffix(".weight").rsplit(".", 1)[-1]
+        if (rule.mcore.startswith("decoder.layers.") and leaf in lora.targets
+                and (lora.experts or ".local_experts." not in rule.mcore)):
+            yield rule
+
+
+def hf_module_names(hf: dict, lora: LoraConfig) -> tuple[str, ...]:
+    """The HF modules' leaf names the adapters sit on (PEFT's and SGLang's target modules)."""
+    return tuple(sorted({name.removesuffix(".weight").rsplit(".", 1)[-1]
+                         for rule in _targeted_rules(hf, lora) for name in rule.hf}))
+
+
+def peft_export_problem(hf: dict, lora: LoraConfig) -> str | None:
+    """Why the adapters have no PEFT form (None: they have one)."""
+    from megatron_agent.models.families.common import FUSED_EXPERTS
+
+    if any(rule.fuse == FUSED_EXPERTS for rule in _targeted_rules(hf, lora)):
+        return (f"{hf['model_type']} keeps its experts fused in HF, which has no PEFT module per expert yet "
+                "(set actor.lora.experts=false to leave the experts out)")
+    return None
+
+
+def peft_config(lora: LoraConfig, tensors: dict[str, torch.Tensor], base_model: str | None) -> dict:
+    """The adapter_config.json of `peft_tensors`: target_modules are the HF modules' leaf names."""
+    modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[1] for key in tensors})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "use_rslora": False,
+            "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model}
+
+
+def write_peft_dir(out_dir, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors), written whole or not at all."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron_agent.models.checkpoint import atomic_directory
+
+    with atomic_directory(out_dir) as tmp:
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))

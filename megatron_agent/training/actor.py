@@ -42,6 +42,9 @@ from megatron_agent.models.lora import (
     describe_trainable,
     lora_mismatch,
     lora_sharded_state,
+    peft_config,
+    peft_tensors,
+    whole_adapters,
 )
 from megatron_agent.models.transformer_config import num_experts, read_hf_config
 from megatron_agent.platform.collectives import all_reduce, broadcast
@@ -457,6 +460,15 @@ class Actor:
         return {k: float(sum(m[k] * w for m, w in entries) / total) for k in keys}
 
     # --- weights out ----------------------------------------------------------------------
+
+    def lora_adapter(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The adapters as a PEFT adapter (adapter_config.json's dict, its tensors) on global
+        rank 0, None on the others; every rank calls it (the adapters are gathered whole)."""
+        adapters = whole_adapters(self.chunks, self.hf)
+        if adapters is None:
+            return None
+        tensors = peft_tensors(self.hf, adapters)
+        return peft_config(self.lora, tensors, str(self.model_dir.resolve())), tensors
 
     def named_hf_weights(self, out=None):
         """(hf_name, full tensor) on each pipeline stage's source rank; every rank iterates.

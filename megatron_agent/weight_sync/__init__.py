@@ -29,6 +29,15 @@ Every trainer rank calls `WeightSync.sync(version)` together:
    update call (SGLang and the embedded engine set it once a call succeeded); only a rank
    0 that announced nothing sets it with `/update_weight_version`.
 
+A LoRA actor's sync (`lora`): "merged" is the above, each adapted linear's weight exported as
+W + (alpha/r)·B·A. "adapters" sends the adapters alone, as a PEFT adapter named after the
+weight version (rollout/engine_lora.py `adapter_name`): every rank takes part in gathering
+them whole (`Actor.lora_adapter`), and rank 0 pauses generation, loads the adapter into every
+engine (`/load_lora_adapter_from_tensors` with tensor handles; otherwise
+`/load_lora_adapter` from a directory under `adapter_dir`, which the engines must see),
+sets the version, resumes, and unloads the adapter two versions back. The rollout's client
+names the adapter of each server's version in every call (EngineClient.lora_adapters).
+
 A failure on any rank (an engine that died, a timeout) reaches every rank as a
 `WeightSyncError` naming the engines that are down; the groups are torn down and the
 next sync builds them again, so it succeeds against restarted engines.
@@ -36,15 +45,19 @@ next sync builds them again, so it succeeds against restarted engines.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_agent.models.lora import write_peft_dir
 from megatron_agent.weight_sync.buckets import (
     BucketBuffers,
     BucketPipeline,
@@ -99,6 +112,17 @@ class WeightSyncConfig:
     pause_mode: str = "abort"
     timeout_s: float = 300.0
     auth_token: str | None = None
+    # A LoRA actor (actor.lora): "merged" sends the weights with the adapters merged in (any
+    # engine serves them); "adapters" sends the adapters alone, which the engines serve on their
+    # base weights (SGLang's --enable-lora, on GPUs; the embedded engine).
+    lora: str = "merged"
+    # "adapters" without tensor handles: where the PEFT adapter of each version is written for the
+    # engines to read (a filesystem they share with rank 0); None: run_dir/adapters.
+    adapter_dir: str | None = None
+
+
+LORA_SYNC_MODES = ("merged", "adapters")
+ADAPTERS_KEPT = 2  # adapter versions an engine holds: requests may still name the one before
 
 
 class WeightSync:
@@ -134,6 +158,11 @@ class WeightSync:
         # flattened one send the laid-out runs straight from the parameters' memory (PlannedBuckets)
         self.in_place: InPlaceBuckets | None = None
         self.engine_ranks: dict[str, int] | None = None  # tensor transport: one payload per engine rank
+        self.adapters_loaded: list[str] = []  # lora=adapters: the engines' adapters, oldest first
+        if self.config.lora not in LORA_SYNC_MODES:
+            raise ValueError(f"weight_sync.lora={self.config.lora!r}; choose one of {LORA_SYNC_MODES}")
+        if self.config.lora == "adapters" and getattr(actor, "lora", None) is None:
+            raise ValueError("weight_sync.lora=adapters needs an actor with LoRA adapters (actor.lora.rank > 0)")
         if self.rank == 0 and not (self.is_source and self.pp_rank == 0):
             raise ValueError("global rank 0 must be stage 0's export source (Megatron's rank order); it opens "
                              "the update before it exports")
@@ -213,6 +242,8 @@ class WeightSync:
     # --- one sync -------------------------------------------------------------------
 
     def sync(self, version: int | str) -> dict[str, float]:
+        if self.config.lora == "adapters":
+            return self._sync_adapters(str(version))
         start = time.perf_counter()
         version = str(version)
         errors: list[str] = []
@@ -255,6 +286,62 @@ class WeightSync:
         return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(totals[0]),
                 "weight_sync/buckets": float(totals[1]), "weight_sync/gb_per_s": float(totals[0]) / 1e9 / seconds,
                 "weight_sync/bytes_in_place": float(totals[2])}
+
+    def _sync_adapters(self, version: str) -> dict[str, float]:
+        start = time.perf_counter()
+        adapter = self.actor.lora_adapter()  # every rank: the TP gathers, then rank 0 collects
+        errors, sent = [], 0
+        if self.rank == 0:
+            config, tensors = adapter
+            sent = sum(t.numel() * t.element_size() for t in tensors.values())
+            errors += self._try(lambda: self._load_adapter(version, config, tensors))
+        self._raise_if_any(errors, "loading the LoRA adapter")
+        seconds = time.perf_counter() - start
+        return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(sent), "weight_sync/buckets": 1.0,
+                "weight_sync/gb_per_s": sent / 1e9 / seconds, "weight_sync/bytes_in_place": 0.0}
+
+    def _load_adapter(self, version: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """(rank 0) Adapter `version` into every engine, then its version set; the adapter
+        ADAPTERS_KEPT versions back unloaded once generation resumed (SGLang waits for the
+        requests that name it)."""
+        from rollout.engine_client import EngineError
+        from rollout.engine_lora import adapter_name
+
+        client, name = self._client(), adapter_name(version)
+        client.pause_generation(self.config.pause_mode)
+        try:
+            # a name held from an earlier trainer (a resume against running engines) is stale
+            with contextlib.suppress(EngineError):
+                client.post_all("/unload_lora_adapter", {"lora_name": name}, timeout_s=self.config.timeout_s)
+            if self.by_handles:
+                self._post_adapter_handles(client, name, config, tensors)
+            else:
+                directory = Path(self.config.adapter_dir or "adapters") / name
+                write_peft_dir(directory, config, tensors)
+                client.post_all("/load_lora_adapter", {"lora_name": name, "lora_path": str(directory.resolve())},
+                                timeout_s=self.config.timeout_s)
+            client.update_weight_version(version)
+        finally:
+            client.continue_generation()
+        self.adapters_loaded = [n for n in self.adapters_loaded if n != name] + [name]
+        while len(self.adapters_loaded) > ADAPTERS_KEPT:
+            old = self.adapters_loaded.pop(0)
+            client.post_all("/unload_lora_adapter", {"lora_name": old}, timeout_s=self.config.timeout_s)
+            if not self.by_handles:
+                shutil.rmtree(Path(self.config.adapter_dir or "adapters") / old, ignore_errors=True)
+
+    def _post_adapter_handles(self, client, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        from rollout.weight_tensors import FLATTENED, serialize, tensor_payload
+
+        if self.engine_ranks is None:
+            self.engine_ranks = client.server_ranks(timeout_s=min(30.0, self.config.timeout_s))
+        buffer, payload = tensor_payload(list(tensors.items()), flattened=True)
+        bodies = {url: {"lora_name": name, "config_dict": config, "load_format": FLATTENED,
+                        "serialized_named_tensors": [serialize(payload) for _ in range(n)]}
+                  for url, n in self.engine_ranks.items()}
+        client.post_all_async("/load_lora_adapter_from_tensors", bodies=bodies,
+                              timeout_s=self.config.timeout_s).result(timeout=self.config.timeout_s)
+        del buffer  # the engines copied out of it before answering
 
     def _send_stage(self, version: str, send: bool = True):
         """Every rank of this stage iterates the export; the source sends. After an error, or

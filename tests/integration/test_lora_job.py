@@ -1,5 +1,6 @@
 """The CPU job with LoRA adapters, as a user runs it: what it prints at start, what its
-checkpoints hold, a resume with other settings refused, and the merged model `mcore-to-hf` writes from it.
+checkpoints hold, a resume with other settings refused, the merged model `mcore-to-hf` writes
+from it, and the same run with the adapters alone synced to the engines.
 Layouts, gradients and the merge against transformers: tests/multirank/test_lora.py."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 SMALL = ("num_groups=2", "group_size=2", "stop_success=null", "val_every=0", "samples_every=0", "save_every=1")
@@ -30,6 +32,10 @@ def adapter_parameters_by_hand(config: dict, rank: int) -> int:
     return per_layer * config["num_hidden_layers"]
 
 
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_a_lora_run_prints_saves_adapters_and_exports(tmp_path):
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from safetensors.torch import load_file
@@ -37,16 +43,16 @@ def test_a_lora_run_prints_saves_adapters_and_exports(tmp_path):
     run_dir = tmp_path / "run"
     # the README's line, on a short warm start; an entropy term, so that every update moves
     # every adapter whatever the few episodes' rewards
-    first = run("megatron_agent.cli", "train", "+experiment=maze", "actor.lora.rank=8", f"run_dir={run_dir}",
-                "iterations=2", "tiny_model.warm_start.episodes=8", "loop.max_steps=6", "algorithm.entropy_coef=0.01",
-                *SMALL)
+    job = ("+experiment=maze", "actor.lora.rank=8", "iterations=3", "tiny_model.warm_start.episodes=8",
+           "loop.max_steps=6", "algorithm.entropy_coef=0.01", *SMALL)
+    first = run("megatron_agent.cli", "train", f"run_dir={run_dir}", *job)
     config = json.loads((run_dir / "model" / "config.json").read_text())
     trainable = adapter_parameters_by_hand(config, 8)
     assert f"actor: {trainable:,} trainable parameters (LoRA rank 8 on linear_qkv, linear_proj, linear_fc1, " \
            "linear_fc2)" in first.stdout
     assert f"Adam state {trainable * 8 / 1000:.1f} kB" in first.stdout  # fp32: two moments
 
-    checkpoint = run_dir / "checkpoints" / "iter_000001"
+    checkpoint = run_dir / "checkpoints" / "iter_000002"
     meta = json.loads((checkpoint / "megatron_agent.json").read_text())
     assert meta["lora"]["rank"] == 8 and meta["base_model"] == str((run_dir / "model").resolve())
     keys = load_tensors_metadata(str(checkpoint))
@@ -55,7 +61,7 @@ def test_a_lora_run_prints_saves_adapters_and_exports(tmp_path):
 
     # resumed without the adapters' settings (the resume itself: tests/multirank/test_lora.py)
     refused = subprocess.run([sys.executable, "-m", "megatron_agent.cli", "train", "+experiment=maze",
-                              f"run_dir={run_dir}", f"resume={run_dir}", "iterations=3", *SMALL],
+                              f"run_dir={run_dir}", f"resume={run_dir}", "iterations=4", *SMALL],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2, refused.stderr  # before any process starts, naming both settings
     assert "error: bad configuration:" in refused.stderr and "holds LoRA adapters {'rank': 8" in refused.stderr
@@ -76,3 +82,27 @@ def test_a_lora_run_prints_saves_adapters_and_exports(tmp_path):
     assert config["target_modules"] == sorted(f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down"))
     tensors = load_file(adapter / "adapter_model.safetensors")
     assert sum(t.numel() for t in tensors.values()) > trainable  # each fused linear's A once per HF module
+
+    # the adapters alone to the engines: the engines serve what the merged weights served, token
+    # for token (the same fp32 merge), the served-vs-trained check holds at every iteration, and
+    # a sync carries the PEFT adapter's bytes instead of the model's
+    adapters_dir = tmp_path / "adapters-run"
+    run("megatron_agent.cli", "train", f"run_dir={adapters_dir}", "weight_sync.lora=adapters", *job)
+    merged_rows, adapter_rows = rows(run_dir), rows(adapters_dir)
+    def picked(prefixes):
+        return [k for k in merged_rows[0] if k.startswith(prefixes) and not any(
+            t in k for t in ("seconds", "per_s", "time"))]
+
+    served, trained = picked(("train/", "gigpo/")), picked(("actor/", "check/"))
+    assert len(served) > 10 and len(trained) > 10
+    for merged, adapted in zip(merged_rows, adapter_rows, strict=True):
+        assert {k: adapted[k] for k in served} == {k: merged[k] for k in served}  # the same tokens and rewards
+        # the trainer's side to its own run-to-run noise (gloo's sums, ~1e-8)
+        assert {k: adapted[k] for k in trained} == pytest.approx({k: merged[k] for k in trained}, rel=1e-4, abs=1e-6)
+        assert adapted["check/rollout_logprob_max_abs_diff"] < 1e-5 and adapted["train/policy_staleness"] == 0
+    assert merged_rows[-1]["actor/entropy"] != merged_rows[0]["actor/entropy"]  # the adapters moved
+    kept = sorted(p.name for p in (adapters_dir / "adapters").iterdir())
+    assert kept == ["policy-v2", "policy-v3"]  # the two newest versions; older ones unloaded and removed
+    sent = load_file(adapters_dir / "adapters" / "policy-v3" / "adapter_model.safetensors")
+    assert adapter_rows[-1]["weight_sync/bytes"] == sum(t.numel() * 4 for t in sent.values())
+    assert merged_rows[-1]["weight_sync/bytes"] > 7 * adapter_rows[-1]["weight_sync/bytes"]

@@ -9,7 +9,9 @@ of rank 4 on every linear (experts included) and a KL loss to the base:
 - the trainable parameters are the adapters' alone, as many as counted by hand;
 - the checkpoint holds only adapters and their optimizer state; saved at the layout,
   loaded at TP=1, it continues to the same weights as the run that never stopped;
-- `mcore-to-hf` of it writes the merged model the actor exports.
+- `mcore-to-hf` of it writes the merged model the actor exports;
+- the adapters gathered whole for an adapter-only weight sync are TP=1's at every layout,
+  and the checkpoint's `lora-to-peft` gives the same PEFT adapter.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
             actor.save(f"{ckpt_root}/{_name(layout)}/iter_1")
         metrics = update(actor, lambda: _batch(hf["vocab_size"]))
         out.update(after=actor.compute_logprobs(batch)["logprobs"], metrics=metrics, weights=weights(actor),
-                   reference=actor.compute_logprobs(batch, reference=True)["logprobs"])
+                   reference=actor.compute_logprobs(batch, reference=True)["logprobs"],
+                   peft=actor.lora_adapter())  # what an adapter-only weight sync sends (rank 0)
         with adapters_off(actor.chunks):
             out["base"] = weights(actor)
         if not layout:  # for megatron-agent-convert mcore-to-hf
@@ -207,3 +210,25 @@ def test_the_peft_export_gives_the_actors_logprobs(lora_results, tmp_path):
         config = json.loads((adapter / "adapter_config.json").read_text())
         assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["base_model_name_or_path"]
         assert (_peft_logprobs(model_dir, adapter, batch) - actor)[mask].abs().max() < 1e-5, checkpoint
+
+
+def test_the_adapters_gathered_for_the_engines_are_the_same_at_every_layout(lora_results, tmp_path):
+    """`Actor.lora_adapter` (the adapter-only weight sync's payload, on rank 0 alone): at
+    TP=2 (+SP), PP=2 and EP=2 the tensors TP=1 gives; equal to lora-to-peft of TP=1's
+    checkpoint after the same two updates."""
+    from safetensors.torch import load_file
+
+    from tools.checkpoint_convert.convert import lora_to_peft
+
+    family, model_dir, per_rank, ckpt_root = lora_results
+    assert per_rank[1]["tp=1"]["peft"] is None
+    config, tensors = per_rank[0]["tp=1"]["peft"]
+    exported = load_file(lora_to_peft(ckpt_root / "tp=1" / "iter_2", tmp_path / "peft") / "adapter_model.safetensors")
+    assert _max_diff(exported, tensors) == 0.0 and exported.keys() == tensors.keys()
+    assert config["r"] == RANK and config["lora_alpha"] == ALPHA
+    for layout in LAYOUTS[family]:
+        got_config, got = per_rank[0][_name(layout)]["peft"]
+        assert got.keys() == tensors.keys() and got_config == config, layout
+        # factors to 1e-4: Adam's first steps (m/sqrt(v)) magnify the summation order's fp32
+        # differences in near-zero gradients; their products, the merged weights, agree to 1e-5 (above)
+        assert _max_diff(got, tensors) < 1e-4, layout

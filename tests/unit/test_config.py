@@ -90,6 +90,12 @@ def test_every_env_config_loads_and_builds(env, tmp_path, monkeypatch):
         (["actor.lora.rank=4", "actor.layer_spec=transformer_engine"], "set actor.layer_spec=local"),
         (["actor.lora.rank=4", "placement.gpus_per_trainer=1"], "actor.layer_spec=auto on 1 GPU(s) per trainer"),
         (["algorithm=ppo", "critic.lora.rank=4"], "critic.lora.rank=4: the critic trains every weight"),
+        (["weight_sync.lora=deltas"], "weight_sync.lora='deltas'; choose one of ('merged', 'adapters')"),
+        (["weight_sync.lora=adapters"], "sends the actor's LoRA adapters alone; set actor.lora.rank > 0"),
+        (["actor.lora.rank=4", "weight_sync.lora=adapters", "weight_sync.quantize=fp8"],
+         "weight_sync.lora=adapters with weight_sync.quantize=fp8"),
+        (["actor.lora.rank=4", "weight_sync.lora=adapters", "tiny_model.family=qwen3_vl_moe"],
+         "qwen3_vl_moe keeps its experts fused in HF, which has no PEFT module per expert yet"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):
@@ -202,3 +208,19 @@ def test_env_copies_that_would_not_fit_this_machine_are_refused(tmp_path, monkey
     with pytest.raises(ConfigError, match=r"128 env copies .* lower num_groups or group_size"):
         load_run_config(["env=appworld", "num_groups=16", "group_size=8", "val_every=0"])
     load_run_config(["env=appworld", "num_groups=4", "group_size=4", "val_every=0"])
+
+
+def test_adapter_sync_readies_the_engines_for_the_actors_adapters():
+    from rollout.engine_launch import sglang_server_command
+
+    run = load_run_config(["actor.lora.rank=8", "actor.lora.targets=[linear_qkv,linear_fc2]", "weight_sync.lora=adapters"])
+    assert (run.engine.lora_adapters, run.engine.max_lora_rank) == (True, 8)
+    assert run.engine.lora_target_modules == ("down_proj", "k_proj", "q_proj", "v_proj")
+    command = sglang_server_command(run.engine, "/m", 30000)
+    at = command.index("--enable-lora")
+    assert command[at:at + 8] == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
+                                  "down_proj", "k_proj", "q_proj", "v_proj"]
+    assert not load_run_config(["actor.lora.rank=8"]).engine.lora_adapters  # merged: engines as they are
+    # experts left out, Qwen3-VL-MoE's fused experts need no PEFT module
+    load_run_config(["actor.lora.rank=4", "actor.lora.experts=false", "weight_sync.lora=adapters",
+                     "tiny_model.family=qwen3_vl_moe"])

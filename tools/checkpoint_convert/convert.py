@@ -298,53 +298,20 @@ def _merged_with_adapters(mcore_dir: Path, lora, base: _HFParams, exported):
 
 # --- LoRA -> PEFT ---------------------------------------------------------------------------
 
-def peft_adapter(hf: dict, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """PEFT's tensors (`base_model.model.<HF module>.lora_A.weight` [r, in], `lora_B` [out, r])
-    for adapters on Megatron's fused linears: a fused linear's A goes to each HF module it
-    is made of, and its B is cut into their rows by the bridge's own unfusing (q/k/v out of
-    their query groups, gate and up). Experts come out one module per expert, the layout
-    PEFT converts onto transformers' fused experts and SGLang reads."""
-    from megatron_agent.models.bridge import EXPERT_INDEX, LAYER_INDEX, Bridge, Dims, unfuse
-    from megatron_agent.models.families.common import FUSED_EXPERTS
-
-    bridge, dims = Bridge(hf), Dims.from_hf(hf, 1)
-    out = {}
-    for linear, (a, b) in sorted(adapters.items()):
-        layer, expert = LAYER_INDEX.match(linear), EXPERT_INDEX.search(linear)
-        template = EXPERT_INDEX.sub(".local_experts.{E}.", LAYER_INDEX.sub("decoder.layers.{L}.", linear)) + ".weight"
-        rule = bridge.rules.get(template)
-        if rule is None or rule.fuse == FUSED_EXPERTS:
-            raise ValueError(f"no PEFT module for {linear!r} ({hf['model_type']})"
-                             + (": experts kept fused in HF are not exported yet" if rule else ""))
-        modules = [name.format(L=int(layer.group(1)), E=int(expert.group(1)) if expert else None)
-                   .removesuffix(".weight") for name in rule.hf]
-        for module, b_part in zip(modules, unfuse(rule.fuse, b, dims)):
-            out[f"base_model.model.{module}.lora_A.weight"] = a.clone()  # one A per module, as PEFT keeps it
-            out[f"base_model.model.{module}.lora_B.weight"] = b_part.contiguous()
-    return out
-
-
 def lora_to_peft(mcore_dir: str | Path, out_dir: str | Path) -> Path:
     """The adapters of a LoRA checkpoint as a PEFT adapter directory (adapter_config.json,
     adapter_model.safetensors) for the base model the checkpoint names."""
-    from safetensors.torch import save_file
-
-    from megatron_agent.models.lora import LoraConfig
+    from megatron_agent.models.lora import LoraConfig, peft_config, peft_tensors, write_peft_dir
 
     mcore_dir = Path(mcore_dir)
     meta = read_mcore_metadata(mcore_dir)
     if "lora" not in meta:
         raise ValueError(f"{mcore_dir} holds a whole model, no LoRA adapters: mcore-to-hf exports it")
     lora = LoraConfig(**meta["lora"])
-    tensors = peft_adapter(read_hf_config(mcore_dir / "hf"), read_adapters(mcore_dir))
-    modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[1] for key in tensors})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-              "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "use_rslora": False,
-              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": meta.get("base_model")}
-    with atomic_directory(out_dir) as tmp:
-        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    log.info("wrote %s: %d adapter tensors on %s", out_dir, len(tensors), ", ".join(modules))
+    tensors = peft_tensors(read_hf_config(mcore_dir / "hf"), read_adapters(mcore_dir))
+    config = peft_config(lora, tensors, meta.get("base_model"))
+    write_peft_dir(out_dir, config, tensors)
+    log.info("wrote %s: %d adapter tensors on %s", out_dir, len(tensors), ", ".join(config["target_modules"]))
     return Path(out_dir)
 
 
