@@ -13,7 +13,9 @@ after the rollout the engines release their memory (`/release_memory_occupation`
 weights and KV cache) while the actor trains; the weight sync first resumes their
 weights' memory, then sends the weights (by tensor handles: `weight_sync.transport`
 "tensor": megatron_agent/weight_sync/tensor_sync.py), then resumes the KV cache. Engines
-that refuse the release keep their memory: the run logs why, once, and goes on.
+that refuse the release keep their memory: the run logs why, once, and goes on. With
+`weight_sync.lora=adapters` they release the KV cache alone: the sync sends no base weights,
+so theirs stay (the frozen base, which a LoRA actor's small optimizer leaves room for).
 `engine/memory_released` is 1 only when the engines' release frees memory, which the
 leader reads from each engine's /server_info when they start (`release_frees_memory`):
 SGLang without its memory saver (`--enable-memory-saver`, CUDA-only) accepts both calls,
@@ -98,6 +100,8 @@ class EngineFleet:
         self.restarts = 0
         self.engines, self.client = [], None
         self.colocate = config.placement.colocate
+        # what the engines release while the actor trains: not the base an adapter sync keeps
+        self.release_tags = ["kv_cache"] if config.weight_sync.lora == "adapters" else list(RELEASE_TAGS)
         self.released: set[str] = set()  # (leader) the memory tags the engines released
         self.release_refused: str | None = None  # (leader) why the engines keep their memory
         self.frees_memory = True  # whether the engines' release frees memory (colocated)
@@ -155,7 +159,7 @@ class EngineFleet:
         """Colocated runs (every rank calls it, after the rollout): the engines free their
         weights and KV cache while the actor trains. Engines that refuse keep it."""
         if self.colocate:
-            self._memory_call("release", list(RELEASE_TAGS))
+            self._memory_call("release", self.release_tags)
 
     def _memory_call(self, action: str, tags: list[str]) -> list[str]:
         """The leader posts `/{action}_memory_occupation` for those of `tags` that apply

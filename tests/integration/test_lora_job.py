@@ -106,3 +106,13 @@ def test_a_lora_run_prints_saves_adapters_and_exports(tmp_path):
     sent = load_file(adapters_dir / "adapters" / "policy-v3" / "adapter_model.safetensors")
     assert adapter_rows[-1]["weight_sync/bytes"] == sum(t.numel() * 4 for t in sent.values())
     assert merged_rows[-1]["weight_sync/bytes"] > 7 * adapter_rows[-1]["weight_sync/bytes"]
+
+    # colocated: the adapters go by tensor handles, and the engines keep their base weights
+    # while the actor trains (they release the KV cache alone: no sync would send the base back)
+    colocated_dir = tmp_path / "colocated-run"
+    run("megatron_agent.cli", "train", f"run_dir={colocated_dir}", "weight_sync.lora=adapters",
+        "placement.colocate=true", *job[:2], "iterations=2", *job[3:])
+    for merged, adapted in zip(merged_rows, rows(colocated_dir)):
+        assert {k: adapted[k] for k in served} == {k: merged[k] for k in served}
+        assert adapted["check/rollout_logprob_max_abs_diff"] < 1e-5
+    assert not (colocated_dir / "adapters").exists()
