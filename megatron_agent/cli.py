@@ -121,12 +121,12 @@ def train(args) -> int:
 
 def lora_summary(config) -> str:
     """The actor's adapters, counted from the model's config as the actor counts them built."""
-    from megatron_agent.models.lora import describe_trainable, lora_parameter_count
-    from megatron_agent.models.memory import parameter_counts
+    from megatron_agent.models.lora import describe_trainable
+    from megatron_agent.models.memory import lora_parameters, parameter_counts
     from megatron_agent.run_config import model_hf_config
 
     hf = model_hf_config(config)
-    return describe_trainable(lora_parameter_count(hf, config.actor.lora), parameter_counts(hf).total,
+    return describe_trainable(sum(lora_parameters(hf, config.actor.lora)), parameter_counts(hf).total,
                               config.actor.lora, config.actor.params_dtype)
 
 

@@ -275,25 +275,6 @@ def describe_trainable(trainable: int, model_parameters: int, lora: LoraConfig |
             f"Adam state {state:.1f} {unit}")
 
 
-def lora_parameter_count(hf: dict, config: LoraConfig) -> int:
-    """Adapter parameters of the whole model (every rank's, once), from its HF config."""
-    from megatron_agent.models.memory import attention_widths
-    from megatron_agent.models.transformer_config import num_experts
-
-    hidden = hf["hidden_size"]
-    q, kv, _ = attention_widths(hf)
-    experts = num_experts(hf) or 0
-    ffn = hf.get("moe_intermediate_size") if experts else hf["intermediate_size"]
-    shapes = {"linear_qkv": (hidden, q + 2 * kv), "linear_proj": (q, hidden),
-              "linear_fc1": (hidden, 2 * ffn), "linear_fc2": (ffn, hidden)}
-    per_layer = 0
-    for target in config.targets:
-        n_in, n_out = shapes[target]
-        copies = (experts if config.experts else 0) if experts and target in ("linear_fc1", "linear_fc2") else 1
-        per_layer += copies * config.rank * (n_in + n_out)
-    return per_layer * hf["num_hidden_layers"]
-
-
 # --- the adapters whole, as PEFT names them -------------------------------------------------
 
 

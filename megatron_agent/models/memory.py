@@ -135,6 +135,60 @@ def _num_experts(hf: dict) -> int:
     return hf.get("num_experts") or hf["num_local_experts"]
 
 
+# Megatron's linears LoRA targets (models/lora.py): (column-parallel: output rows split over
+# TP, A whole; row-parallel: input columns split, B whole), their widths by `_linear_widths`.
+_COLUMN_LINEARS = ("linear_qkv", "linear_fc1")
+_EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
+
+
+def _linear_widths(hf: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) of each decoder linear LoRA may target (an expert's for an MoE model)."""
+    d = hf["hidden_size"]
+    q, kv, _ = attention_widths(hf)
+    ffn = hf["moe_intermediate_size"] if family_of(hf).moe else hf["intermediate_size"]
+    return {"linear_qkv": (d, q + 2 * kv), "linear_proj": (q, d), "linear_fc1": (d, 2 * ffn), "linear_fc2": (ffn, d)}
+
+
+def lora_parameters(hf: dict, lora, parallel: ParallelConfig | None = None) -> tuple[int, int]:
+    """(dense, expert) adapter parameters one GPU of the first pipeline stage holds, `lora`
+    a models/lora.py LoraConfig (rank, targets, experts); without `parallel`, the whole
+    model's. A column-parallel linear keeps A [r, in] whole and splits B's rows, a
+    row-parallel one splits A's columns and keeps B [out, r] whole; experts split over EP."""
+    parallel = parallel or ParallelConfig()
+    moe = family_of(hf).moe
+    layers = hf["num_hidden_layers"] // parallel.pp
+    dense = expert = 0
+    for target in lora.targets:
+        n_in, n_out = _linear_widths(hf)[target]
+        is_expert = moe and target in _EXPERT_LINEARS
+        tp = parallel.expert_tp if is_expert else parallel.tp
+        per_linear = lora.rank * (n_in + n_out // tp if target in _COLUMN_LINEARS else n_in // tp + n_out)
+        if not is_expert:
+            dense += layers * per_linear
+        elif lora.experts:
+            expert += layers * _num_experts(hf) // parallel.ep * per_linear
+    return dense, expert
+
+
+def lora_activation_bytes(hf: dict, parallel: ParallelConfig, lora, tokens: int) -> int:
+    """What the adapters keep for backward beyond the base's tensors (models/lora.py): each
+    one's r-wide intermediate (per routed copy for an expert); under sequence parallelism a
+    column adapter's input, which it gathers itself, whole on every TP rank."""
+    moe = family_of(hf).moe
+    gathered = parallel.sequence_parallel and parallel.tp > 1
+    per_layer = 0
+    for target in lora.targets:
+        if moe and target in _EXPERT_LINEARS:
+            if lora.experts:
+                per_layer += tokens // (parallel.tp if parallel.sequence_parallel else 1) * \
+                    hf["num_experts_per_tok"] * parallel.expert_tp * lora.rank * BF16
+            continue
+        per_layer += tokens * lora.rank * BF16
+        if gathered and target in _COLUMN_LINEARS:
+            per_layer += tokens * hf["hidden_size"] * BF16
+    return hf["num_hidden_layers"] // parallel.pp * per_layer
+
+
 # ---- activations --------------------------------------------------------------------------
 
 
@@ -341,7 +395,7 @@ def largest_exported_tensor_bytes(hf: dict) -> int:
 
 def training_memory(hf: dict, parallel: ParallelConfig, world_size: int, *, micro_batch_tokens: int,
                     image_token_fraction: float = 0.0, kl_reference: bool = True, fp8: bool = False,
-                    path: ActivationPath = GPU_PATH) -> MemoryEstimate:
+                    path: ActivationPath = GPU_PATH, lora=None) -> MemoryEstimate:
     """Memory of the first pipeline stage's GPU training `hf` on `world_size` ranks, with
     micro-batches of one `micro_batch_tokens`-long sequence (the most RoPE tables; every
     other term depends on the tokens only).
@@ -352,6 +406,12 @@ def training_memory(hf: dict, parallel: ParallelConfig, world_size: int, *, micr
     needs no weight gradient, 1) between micro-batches (module/base.py get_weight_workspace,
     cached since Megatron passes is_first_microbatch); activations are still counted at
     bf16, an upper bound (TE keeps FP8 copies of the linears' inputs).
+
+    `lora` (a models/lora.py LoraConfig with rank > 0): the base is frozen (bf16 weights
+    alone: no gradient buffers, no optimizer state, and no reference, which is the base); the
+    adapters are trained as the whole model is otherwise (`lora_parameters`; bf16, fp32
+    gradients, distributed Adam), and keep their own activations (`lora_activation_bytes`).
+    Adapters sit on the local layer spec's linears only (not Transformer Engine's yet).
     """
     dp = parallel.validate(world_size)
     edp = parallel.expert_data_parallel_size(world_size)
@@ -369,13 +429,22 @@ def training_memory(hf: dict, parallel: ParallelConfig, world_size: int, *, micr
     shape = MicroBatchShape(1, micro_batch_tokens,
                             image_patches=round(image_token_fraction * micro_batch_tokens * merge))
     activations = sum(activation_bytes(hf, parallel, shape, path).values())
+    if lora is not None:
+        if fp8 or path.layer_spec != "local":
+            raise ValueError("LoRA adapters sit on the local layer spec's linears (not Transformer Engine's, "
+                             "nor FP8): give path=ActivationPath(layer_spec='local')")
+        activations += lora_activation_bytes(hf, parallel, lora, micro_batch_tokens)
     vocab = -(-hf["vocab_size"] // tp)
     logits = (LOGIT_GRADIENT_BUFFERS * BF16 * micro_batch_tokens * vocab
               + LOSS_CHUNK_BUFFERS * FP32 * LOSS_CHUNK_ELEMENTS)
+    trained_dense, trained_experts = lora_parameters(hf, lora, parallel) if lora is not None else (dense, experts)
+    trained = trained_dense + trained_experts
     return MemoryEstimate(
         dense_parameters=dense, expert_parameters=experts,
-        weights=2 * held, gradients=4 * held, optimizer=round(12 * (dense / dp + experts / edp)),
-        reference=2 * held if kl_reference else 0, fp8_weights=(3 if kl_reference else 2) * te_linear if fp8 else 0,
+        weights=2 * held + (2 * trained if lora is not None else 0), gradients=4 * trained,
+        optimizer=round(12 * (trained_dense / dp + trained_experts / edp)),
+        reference=2 * held if kl_reference and lora is None else 0,
+        fp8_weights=(3 if kl_reference else 2) * te_linear if fp8 else 0,
         sync_buffers=2 * max(WEIGHT_SYNC_BUCKET_BYTES, largest_exported_tensor_bytes(hf)),
         activations=activations, logits_transient=logits,
     )

@@ -36,7 +36,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
     from megatron_agent.algorithms import AlgorithmConfig
-    from megatron_agent.models.lora import LoraConfig, adapters_off
+    from megatron_agent.models.lora import LoraConfig, adapters, adapters_off
     from megatron_agent.platform import destroy_model_parallel
     from megatron_agent.training.actor import ActorConfig
 
@@ -59,6 +59,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         actor = make(layout, config)
         batch = _batch(hf["vocab_size"])
         out = {"before": actor.compute_logprobs(batch)["logprobs"], "trainable": actor.trainable_parameters,
+               "held": sum(a.a.numel() + a.b.numel() for a in adapters(actor.chunks)),  # this rank's
                "optimized": sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])}
         update(actor, lambda: _batch(hf["vocab_size"]))
         out["after_1"] = actor.compute_logprobs(batch)["logprobs"]
@@ -145,13 +146,18 @@ def test_the_base_stays_and_is_the_kl_reference(lora_results):
 
 
 def test_only_the_adapters_train_and_are_saved(lora_results):
-    from megatron_agent.models.lora import LoraConfig, lora_parameter_count
+    from megatron_agent.models.lora import LoraConfig
+    from megatron_agent.models.memory import lora_parameters
+    from megatron_agent.platform import ParallelConfig
 
     family, model_dir, per_rank, _ = lora_results
     hf = read_hf_config(model_dir)
-    by_hand = lora_parameter_count(hf, LoraConfig(rank=RANK, alpha=ALPHA))
+    by_hand = sum(lora_parameters(hf, LoraConfig(rank=RANK, alpha=ALPHA)))
     for layout in [dict()] + LAYOUTS[family]:
         assert per_rank[0][_name(layout)]["trainable"] == by_hand, layout
+        # what memory.py counts on the first stage's GPU at this layout
+        held = sum(lora_parameters(hf, LoraConfig(rank=RANK, alpha=ALPHA), ParallelConfig(**layout)))
+        assert per_rank[0][_name(layout)]["held"] == held, layout
     assert sum(r["tp=1"]["optimized"] for r in per_rank) == 2 * by_hand  # DP=2: each rank all of them
     keys = per_rank[0]["checkpoint keys"]
     model_keys = [k for k in keys if not k.startswith("optimizer.")]

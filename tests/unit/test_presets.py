@@ -329,6 +329,34 @@ def test_cluster_preset_states_the_memory_it_resolves_to(preset, model_dirs):
     assert (str(fewest), str(tokens), "") in {(r, t, f) for r, t, f, *_ in lines}
 
 
+def test_the_lora_preset_states_the_memory_it_resolves_to(model_dirs):
+    """configs/experiment/qwen3-30b-a3b-lora.yaml: its memory lines are training_memory's
+    with its adapters on the local layer spec, and it fits 80 GB parts at its fewest ranks."""
+    from megatron_agent.models.memory import GPU_MEMORY_GIB, SPARE_GIB, ActivationPath, training_memory
+    from megatron_agent.models.transformer_config import read_hf_config
+
+    text = (CONFIG_DIR / "experiment" / "qwen3-30b-a3b-lora.yaml").read_text()
+    lines = MEMORY_LINE.findall(text)
+    assert len(lines) >= 2
+    hf = read_hf_config(QWEN3_30B_A3B)
+    run = load_run_config(["+experiment=qwen3-30b-a3b-lora", f"model_dir={model_dirs['qwen3-30b-a3b']}",
+                           "placement.trainer_ranks=2"])
+    assert run.actor.lora.enabled and run.actor.layer_spec == "local" and run.weight_sync.lora == "adapters"
+    path = ActivationPath(layer_spec="local", fused_swiglu=True)  # the local spec on a GPU
+    for ranks, tokens, _, params, *gib, spare, fits in lines:
+        m = training_memory(hf, run.parallel, int(ranks), micro_batch_tokens=int(tokens), path=path,
+                            lora=run.actor.lora, kl_reference=run.algorithm.kl_loss_active)
+        names = ("weights", "gradients", "optimizer", "reference", "sync_buffers", "activations", "logits_transient",
+                 "total")
+        assert (f"{m.parameters / 1e9:.3f}", [f"{m.gib(n):.1f}" for n in names]) == (params, [g for g in gib if g]), ranks
+        assert f"{m.spare_gib('H100-80GB'):.1f}" == spare and fits.split() == [g for g in GPU_MEMORY_GIB if m.fits(g)]
+    shipped = training_memory(hf, run.parallel, 2, micro_batch_tokens=run.actor.max_tokens_per_micro_batch,
+                              path=path, lora=run.actor.lora, kl_reference=run.algorithm.kl_loss_active)
+    assert shipped.spare_gib("H100-80GB") >= SPARE_GIB
+    whole = training_memory(hf, run.parallel, 2, micro_batch_tokens=run.actor.max_tokens_per_micro_batch, path=path)
+    assert whole.total > 2 * shipped.total  # what LoRA saves: the base's gradients, Adam state, reference
+
+
 def test_vlm_presets_resolve_for_visual_sokoban(model_dirs):
     run = load_run_config(["model=qwen3-vl-30b-a3b", "env=sokoban-visual", "backend=gpu",
                            f"model_dir={model_dirs['qwen3-vl-30b-a3b']}", "placement.trainer_ranks=16"])
