@@ -221,7 +221,7 @@ class Engine:
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self.receive_scratch = torch.empty(0, dtype=torch.uint8)  # reused by buckets that cannot land in place
         self.freed: list = []  # the parameters "weights" freed, with their shapes
-        self.adapters = EngineAdapters(self.weight_view)  # LoRA adapters by name (rollout/engine_lora.py)
+        self.adapters = EngineAdapters(self._weight_views)  # LoRA adapters by name (rollout/engine_lora.py)
         self.batch_running = False
         self.worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
         self.worker.start()

@@ -79,8 +79,8 @@ def read_peft_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 class EngineAdapters:
     """The adapters loaded into one engine, and which one is merged into its weights now."""
 
-    def __init__(self, weight_view: Callable[[str], torch.Tensor | None]):
-        self.weight_view = weight_view  # a checkpoint-format HF weight name -> the model's tensor
+    def __init__(self, weight_views: Callable[[list[str]], dict[str, torch.Tensor | None]]):
+        self.weight_views = weight_views  # checkpoint-format HF weight names -> the model's tensors
         self.loaded: dict[str, tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.merged: str | None = None
         self.base: dict[str, torch.Tensor] = {}  # the weights the merged adapter touched, as they were
@@ -103,11 +103,12 @@ class EngineAdapters:
         if not pairs:
             raise AdapterProblem(f"adapter {name!r} holds no tensors")
         factors = {}
+        weights = self.weight_views([f"{module}.weight" for module in pairs])
         for module, pair in sorted(pairs.items()):
             if len(pair) != 2:
                 raise AdapterProblem(f"{module}: lora_A and lora_B come in pairs; {name!r} has one of them")
             a, b = pair[_FACTORS[0]], pair[_FACTORS[1]]
-            weight = self.weight_view(f"{module}.weight")
+            weight = weights[f"{module}.weight"]
             if weight is None:
                 raise AdapterProblem(f"adapter {name!r}: the model has no module {module!r}")
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != tuple(weight.shape):
@@ -163,8 +164,9 @@ class EngineAdapters:
         if name is None:
             return
         scale, factors = self.loaded[name]
+        weights = self.weight_views(list(factors))
         for weight_name, (a, b) in factors.items():
-            weight = self.weight_view(weight_name)
+            weight = weights[weight_name]
             self.base[weight_name] = weight.clone()
             weight.copy_(merge_lora(weight, a, b, scale))
         self.merged = name
@@ -172,6 +174,6 @@ class EngineAdapters:
     @torch.no_grad()
     def restore_base(self) -> None:
         """The weights as loaded, without any adapter (before a weight update writes them)."""
-        for weight_name, base in self.base.items():
-            self.weight_view(weight_name).copy_(base)
+        for weight_name, weight in self.weight_views(list(self.base)).items():
+            weight.copy_(self.base[weight_name])
         self.base, self.merged = {}, None
