@@ -318,10 +318,10 @@ def validate_lora(run: RunConfig) -> None:
     if run.weight_sync.quantize:
         raise ConfigError(f"weight_sync.lora=adapters with weight_sync.quantize={run.weight_sync.quantize}: the "
                           "adapters go in the training dtype onto the engines' base weights; use one or the other")
-    from megatron_agent.models.lora import hf_module_names, peft_export_problem
+    from megatron_agent.models.lora import adapter_serving_problem, hf_module_names
 
     hf = model_hf_config(run)
-    problem = peft_export_problem(hf, run.actor.lora)
+    problem = adapter_serving_problem(hf, run.actor.lora)
     if problem:
         raise ConfigError(f"weight_sync.lora=adapters: {problem}; use weight_sync.lora=merged")
     # resolved here, past the checks (it reads the model's config): requests name the adapters,

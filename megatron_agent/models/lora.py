@@ -319,25 +319,48 @@ def peft_tensors(hf: dict, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]
     goes to each HF module it is made of, and its B is cut into their rows by the bridge's
     own unfusing (q/k/v out of their query groups, gate and up). Experts come out one
     module per expert, the layout PEFT converts onto transformers' fused experts and
-    SGLang reads."""
+    SGLang reads; where HF itself keeps a layer's experts in one parameter (Qwen3-VL-MoE's
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I] in memory), as PEFT's LoRA on that
+    parameter (`target_parameters`, `_fused_expert_factors`)."""
     from megatron_agent.models.bridge import Bridge, Dims, unfuse
     from megatron_agent.models.families.common import FUSED_EXPERTS
 
     bridge, dims = Bridge(hf), Dims.from_hf(hf, 1)
-    out = {}
+    out, fused = {}, {}
     for linear, (a, b) in sorted(adapters.items()):
         layer, expert = LAYER_INDEX.match(linear), EXPERT_INDEX.search(linear)
         template = EXPERT_INDEX.sub(".local_experts.{E}.", LAYER_INDEX.sub("decoder.layers.{L}.", linear)) + ".weight"
         rule = bridge.rules.get(template)
-        if rule is None or rule.fuse == FUSED_EXPERTS:
-            raise ValueError(f"no PEFT module for {linear!r} ({hf['model_type']})"
-                             + (": experts kept fused in HF are not exported yet" if rule else ""))
+        if rule is None:
+            raise ValueError(f"no PEFT module for {linear!r} ({hf['model_type']})")
+        if rule.fuse == FUSED_EXPERTS:
+            fused.setdefault(rule.hf[0].format(L=int(layer.group(1))), {})[int(expert.group(1))] = (a, b)
+            continue
         modules = [name.format(L=int(layer.group(1)), E=int(expert.group(1)) if expert else None)
                    .removesuffix(".weight") for name in rule.hf]
         for module, b_part in zip(modules, unfuse(rule.fuse, b, dims)):
             out[f"base_model.model.{module}.lora_A.weight"] = a.clone()  # one A per module, as PEFT keeps it
             out[f"base_model.model.{module}.lora_B.weight"] = b_part.contiguous()
+    for parameter, experts in fused.items():
+        out.update(_fused_expert_factors(parameter, experts, fused))
     return out
+
+
+def _fused_expert_factors(parameter: str, experts: dict[int, tuple], fused: dict) -> dict[str, torch.Tensor]:
+    """PEFT's LoRA on one layer's fused expert parameter (peft's ParamWrapper): lora_A
+    [E·r, in] holds the experts' A one after another, lora_B [out, r·E] their B with the
+    expert index fastest (column k·E + e is expert e's column k), so that expert e's
+    update is B_e·A_e. PEFT wraps the experts module once per targeted parameter, the
+    first of `target_parameters` (gate_up_proj, `peft_config`) innermost: its tensors sit
+    under `base_layer` when down_proj is targeted too."""
+    if sorted(experts) != list(range(len(experts))):
+        raise ValueError(f"{parameter}: adapters of experts {sorted(experts)}, not of all of them")
+    a = torch.cat([experts[e][0] for e in range(len(experts))])
+    b = torch.stack([experts[e][1] for e in range(len(experts))], dim=2).flatten(1)
+    module, name = parameter.rsplit(".", 1)
+    inner = name == "gate_up_proj" and f"{module}.down_proj" in fused
+    prefix = f"base_model.model.{module}{'.base_layer' if inner else ''}"
+    return {f"{prefix}.lora_A.weight": a.contiguous(), f"{prefix}.lora_B.weight": b.contiguous()}
 
 
 def _targeted_rules(hf: dict, lora: LoraConfig):
@@ -357,22 +380,32 @@ def hf_module_names(hf: dict, lora: LoraConfig) -> tuple[str, ...]:
                          for rule in _targeted_rules(hf, lora) for name in rule.hf}))
 
 
-def peft_export_problem(hf: dict, lora: LoraConfig) -> str | None:
-    """Why the adapters have no PEFT form (None: they have one)."""
+def adapter_serving_problem(hf: dict, lora: LoraConfig) -> str | None:
+    """Why engines cannot load these adapters (None: they can): SGLang and the embedded
+    engine take LoRA on modules, and a model whose HF experts are one parameter per layer
+    has its experts' adapters on parameters (`peft_tensors`)."""
     from megatron_agent.models.families.common import FUSED_EXPERTS
 
     if any(rule.fuse == FUSED_EXPERTS for rule in _targeted_rules(hf, lora)):
-        return (f"{hf['model_type']} keeps its experts fused in HF, which has no PEFT module per expert yet "
+        return (f"{hf['model_type']} keeps its experts fused in HF, whose adapters the engines do not load "
                 "(set actor.lora.experts=false to leave the experts out)")
     return None
 
 
-def peft_config(lora: LoraConfig, tensors: dict[str, torch.Tensor], base_model: str | None) -> dict:
-    """The adapter_config.json of `peft_tensors`: target_modules are the HF modules' leaf names."""
-    modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[1] for key in tensors})
+def peft_config(hf: dict, lora: LoraConfig, base_model: str | None) -> dict:
+    """The adapter_config.json of `peft_tensors`: target_modules are the HF modules' leaf
+    names, target_parameters a fused-experts model's expert parameters (gate_up_proj first)."""
+    from megatron_agent.models.families.common import FUSED_EXPERTS
+
+    rules = list(_targeted_rules(hf, lora))
+    modules = sorted({name.removesuffix(".weight").rsplit(".", 1)[-1]
+                      for rule in rules if rule.fuse != FUSED_EXPERTS for name in rule.hf})
+    parameters = sorted({"mlp.experts." + rule.hf[0].rsplit(".", 1)[-1] for rule in rules if rule.fuse == FUSED_EXPERTS},
+                        key=lambda p: not p.endswith("gate_up_proj"))
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "use_rslora": False,
-            "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model}
+            "lora_dropout": lora.dropout, "target_modules": modules or None, "bias": "none", "use_rslora": False,
+            "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
+            **({"target_parameters": parameters} if parameters else {})}
 
 
 def write_peft_dir(out_dir, config: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -468,7 +468,7 @@ class Actor:
         if adapters is None:
             return None
         tensors = peft_tensors(self.hf, adapters)
-        return peft_config(self.lora, tensors, str(self.model_dir.resolve())), tensors
+        return peft_config(self.hf, self.lora, str(self.model_dir.resolve())), tensors
 
     def named_hf_weights(self, out=None):
         """(hf_name, full tensor) on each pipeline stage's source rank; every rank iterates.

@@ -95,7 +95,7 @@ def test_every_env_config_loads_and_builds(env, tmp_path, monkeypatch):
         (["actor.lora.rank=4", "weight_sync.lora=adapters", "weight_sync.quantize=fp8"],
          "weight_sync.lora=adapters with weight_sync.quantize=fp8"),
         (["actor.lora.rank=4", "weight_sync.lora=adapters", "tiny_model.family=qwen3_vl_moe"],
-         "qwen3_vl_moe keeps its experts fused in HF, which has no PEFT module per expert yet"),
+         "qwen3_vl_moe keeps its experts fused in HF, whose adapters the engines do not load"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):

@@ -308,10 +308,12 @@ def lora_to_peft(mcore_dir: str | Path, out_dir: str | Path) -> Path:
     if "lora" not in meta:
         raise ValueError(f"{mcore_dir} holds a whole model, no LoRA adapters: mcore-to-hf exports it")
     lora = LoraConfig(**meta["lora"])
-    tensors = peft_tensors(read_hf_config(mcore_dir / "hf"), read_adapters(mcore_dir))
-    config = peft_config(lora, tensors, meta.get("base_model"))
+    hf = read_hf_config(mcore_dir / "hf")
+    tensors = peft_tensors(hf, read_adapters(mcore_dir))
+    config = peft_config(hf, lora, meta.get("base_model"))
     write_peft_dir(out_dir, config, tensors)
-    log.info("wrote %s: %d adapter tensors on %s", out_dir, len(tensors), ", ".join(config["target_modules"]))
+    log.info("wrote %s: %d adapter tensors on %s", out_dir, len(tensors),
+             ", ".join([*(config["target_modules"] or []), *config.get("target_parameters", [])]))
     return Path(out_dir)
 
 
