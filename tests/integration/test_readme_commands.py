@@ -81,6 +81,9 @@ COMMANDS = {
     ".venv/bin/megatron-agent train +experiment=maze actor.lora.rank=8 run_dir=runs/maze-lora": Covered(
         "tests/integration/test_lora_job.py::test_a_lora_run_prints_saves_adapters_and_exports",
         ("+experiment=maze", "actor.lora.rank=8")),
+    ".venv/bin/megatron-agent train +experiment=maze actor.lora.rank=8 weight_sync.lora=adapters": Covered(
+        "tests/integration/test_lora_job.py::test_a_lora_run_prints_saves_adapters_and_exports",
+        ("+experiment=maze", "actor.lora.rank=8", '"weight_sync.lora=adapters"')),
     ".venv/bin/megatron-agent-convert lora-to-peft --mcore runs/maze-lora/checkpoints/iter_000040 --out maze-adapter":
         Covered("tests/integration/test_lora_job.py::test_a_lora_run_prints_saves_adapters_and_exports",
                 ('"lora-to-peft", "--mcore"',)),
