@@ -646,14 +646,7 @@ class Engine:
         (this engine's only rank; `RankedEngine` gives each rank its own)."""
         if not self.in_update:
             raise BadRequest("update_weights_from_tensor outside begin_weight_update/end_weight_update")
-        if not serialized_named_tensors:
-            raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)")
-        try:
-            named = _named_tensors(deserialize_named_tensors(serialized_named_tensors[0], load_format))
-        except Exception as err:  # what the entry holds is the request's: no failure of it is the engine's
-            raise BadRequest(f"serialized_named_tensors: {type(err).__name__}: {_clip(err)}",
-                             "serialized_named_tensors") from None
-        self.load_weights(named)  # copies out of the sender's memory
+        self.load_weights(_own_entry(serialized_named_tensors, load_format))  # copies out of the sender's memory
         if weight_version is not None:
             self.weight_version = weight_version
 
@@ -691,14 +684,7 @@ class Engine:
     def load_lora_adapter_from_tensors(self, name: str, config: dict, serialized_named_tensors: list[str],
                                        load_format: str | None = None) -> None:
         """An adapter whose tensors' handles the trainer sent (entry 0: this engine's rank)."""
-        if not serialized_named_tensors:
-            raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)")
-        try:
-            named = _named_tensors(deserialize_named_tensors(serialized_named_tensors[0], load_format))
-        except Exception as err:  # what the entry holds is the request's
-            raise BadRequest(f"serialized_named_tensors: {type(err).__name__}: {_clip(err)}",
-                             "serialized_named_tensors") from None
-        self._load_adapter(name, config, dict(named))  # copied out of the sender's memory
+        self._load_adapter(name, config, dict(_own_entry(serialized_named_tensors, load_format)))  # copied
 
     def _load_adapter(self, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
         with self.model_lock:
@@ -784,6 +770,18 @@ class Engine:
                 "is_generation": True, "weight_version": self.weight_version,
                 "engine": "megatron-agent-embedded", "memory_released": sorted(self.released),
                 "lora_adapters": sorted(self.adapters.loaded)}
+
+
+def _own_entry(serialized_named_tensors: list[str], load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """Entry 0 of `serialized_named_tensors` (this engine's only rank; `RankedEngine` gives
+    each rank its own): (name, tensor) pairs, views of the sender's memory."""
+    if not serialized_named_tensors:
+        raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)")
+    try:
+        return _named_tensors(deserialize_named_tensors(serialized_named_tensors[0], load_format))
+    except Exception as err:  # what the entry holds is the request's: no failure of it is the engine's
+        raise BadRequest(f"serialized_named_tensors: {type(err).__name__}: {_clip(err)}",
+                         "serialized_named_tensors") from None
 
 
 def _named_tensors(named) -> list[tuple[str, torch.Tensor]]:
