@@ -182,6 +182,7 @@ class WeightSync:
         """New engine addresses (restarted engines); the next sync reconnects."""
         self._disconnect()
         self.urls = list(engine_urls)
+        self.adapters_loaded = []  # fresh engines hold none of ours
 
     # --- connection -----------------------------------------------------------------
 
