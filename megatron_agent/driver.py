@@ -131,8 +131,12 @@ def train_rank(config: RunConfig, on_iteration=None, launch_engines=None, on_pro
             rollouts = RolloutAhead(fleet, lambda client, i: workers.collect(
                                         i, client.urls, keep_episodes=4 if samples_due(config, i) else 0),
                                     leader=leader, overlap=config.training.mode == "overlap")
+        # the engines start from the model on disk; adapters are synced at the start too, so that
+        # the engines' version names an adapter of this run (one a running engine's older
+        # version would not)
+        if first_iteration or config.weight_sync.lora == "adapters":
+            fleet.sync_weights(first_iteration)
         if first_iteration:
-            fleet.sync_weights(first_iteration)  # the engines start from the model on disk
             if config.training.mode == "overlap":
                 ahead = load_rollout_ahead(config, first_iteration) if leader else None
                 rollouts.restore(first_iteration, workers.restore(ahead) if ahead is not None else None)

@@ -510,10 +510,10 @@ class EngineClient:
         """The server's weight version, whose adapter the call names: an adapter-only sync
         loads version N's adapter before it sets version N, and unloads it only once two
         newer ones are in, waiting for the requests that name it."""
-        status, payload = self._call(url, "/get_weight_version", None)
+        status, payload = self._call(url, "/model_info", None)  # SGLang 0.5.23 has no /get_weight_version
         version = payload.get("weight_version") if status == 200 and isinstance(payload, dict) else None
         if type(version) not in (str, int):
-            raise _ServerFailed(f"/get_weight_version answered HTTP {status}: {_shown(payload)}")
+            raise _ServerFailed(f"/model_info answered HTTP {status} without a weight_version: {_shown(payload)}")
         return str(version)
 
     def _call(self, url: str, path: str, body: dict | None, timeout_s: float | None = None):

@@ -328,8 +328,7 @@ class WeightSync:
         while len(self.adapters_loaded) > ADAPTERS_KEPT:
             old = self.adapters_loaded.pop(0)
             client.post_all("/unload_lora_adapter", {"lora_name": old}, timeout_s=self.config.timeout_s)
-            if not self.by_handles:
-                shutil.rmtree(Path(self.config.adapter_dir or "adapters") / old, ignore_errors=True)
+            shutil.rmtree(Path(self.config.adapter_dir or "adapters") / old, ignore_errors=True)  # if written
 
     def _post_adapter_handles(self, client, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
         from rollout.weight_tensors import FLATTENED, serialize, tensor_payload

@@ -11,6 +11,12 @@ placeholders under `torch.ops.sgl_kernel` for the few CPU kernels that SGLang mo
 at import time (PLACEHOLDER_OPS): the Qwen-VL multimodal processor imports Qwen3.5's
 model module, which binds them; the Qwen2.5-VL and Qwen3-VL models never call them.
 
+Pinned memory: SGLang's LoRA layers allocate host tensors with `pin_memory=True` (for
+faster copies to a GPU), which torch without an accelerator refuses. With no CUDA,
+torch's tensor factories here drop `pin_memory` and `Tensor.pin_memory()` returns the
+tensor (`unpinned_factories`): pinning only speeds copies to a device there is none of.
+With it, SGLang serves LoRA adapters on CPU (`--enable-lora --lora-backend torch_native`).
+
 It does nothing unless MEGATRON_AGENT_SGLANG_CPU_SHIM=1, and a module that is really
 installed is always found first (the hook is the last finder asked).
 """
@@ -98,6 +104,31 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder):
 def install() -> None:
     if not any(isinstance(f, _PlaceholderFinder) for f in sys.meta_path):
         sys.meta_path.append(_PlaceholderFinder())
+    unpinned_factories()
+
+
+PINNING_FACTORIES = ("tensor", "as_tensor", "empty", "empty_strided", "zeros", "ones", "full", "arange")
+
+
+def unpinned_factories() -> None:
+    import functools
+
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch, "_megatron_agent_unpinned", False):
+        return
+
+    def unpinned(factory):
+        @functools.wraps(factory)
+        def call(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+        return call
+
+    for name in PINNING_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch._megatron_agent_unpinned = True
 
 
 if os.environ.get(ENV_FLAG) == "1":

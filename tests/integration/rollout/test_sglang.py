@@ -6,7 +6,10 @@
   the server's logprobs then equal the actor's (1e-4); again with `--tp-size 2`, where
   both TP ranks must join the update group and load the weights;
 - three iterations of the CPU main job with `engine.urls` naming the server, then again
-  colocated (memory released and resumed each iteration, weights as tensor handles).
+  colocated (memory released and resumed each iteration, weights as tensor handles);
+- a LoRA actor's adapter-only sync (`weight_sync.lora=adapters`; from a directory and by
+  tensor handles): the server serves each version's adapter, named by the client, with
+  the actor's logprobs (1e-5), at TP 1 and TP 2; the one two versions back is unloaded.
 
 The server runs from `.venv-sglang` (`make test` installs it: docs/testing.md) or the
 Python named by MEGATRON_AGENT_SGLANG_PYTHON. Without one these tests fail under CI=true
@@ -37,7 +40,12 @@ from rollout.engine_launch import (
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_cpu")]
 
 START_TIMEOUT_S = 600  # TP2 takes ~55 s to answer /health on an idle 2-core machine; more under load
-SERVER_ARGS = ("--sleep-on-idle",)  # the scheduler waits on its sockets instead of polling a core
+# LoRA serving on CPU: its torch_native backend, with pinned host memory dropped
+# (tools/sglang_cpu/sitecustomize.py); requests without an adapter run on the base as before.
+LORA_RANK = 8
+SERVER_ARGS = ("--sleep-on-idle", "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--lora-target-modules",
+               "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "--lora-backend", "torch_native")
 
 
 @pytest.fixture(scope="module")
@@ -251,9 +259,88 @@ def test_colocated_cpu_main_job_against_sglang(sglang, model_dir, tmp_path):
         assert row["check/rollout_logprob_max_abs_diff"] < 1e-4, row
 
 
+def _sync_adapters_and_compare(model_dir: str, urls: list[str], adapter_dir: str, versions: int = 3) -> dict:
+    """On one gloo rank, a LoRA actor (every linear, rank LORA_RANK): sync its adapters as
+    the driver does at the start (version 0, B zero: the base), then update it and sync its
+    adapters alone (version 1 from a directory, 2 by tensor handles, 3 from a directory
+    again), and after each compare the server's greedy logprobs, asked through a client
+    that names the served version's adapter, with the actor's recomputation."""
+    from megatron_agent.algorithms import AlgorithmConfig
+    from megatron_agent.models.lora import LoraConfig
+    from megatron_agent.platform import ParallelConfig, init_distributed
+    from megatron_agent.training.actor import Actor, ActorConfig
+    from megatron_agent.training.batch import TrainBatch
+    from megatron_agent.weight_sync import WeightSync, WeightSyncConfig
+
+    ctx = init_distributed(ParallelConfig(), seed=7)
+    actor = Actor(model_dir, ctx.parallel, ActorConfig(lr=1e-2, use_distributed_optimizer=False,
+                                                       lora=LoraConfig(rank=LORA_RANK, alpha=16)),
+                  AlgorithmConfig(use_kl_loss=False, entropy_coef=0.0))
+    client = EngineClient(urls, lora_adapters=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [[1, 2, 3, 4, 5], [10, 20, 30], [7]]
+
+    def engine_vs_actor() -> tuple[float, set[str]]:
+        outs = client.generate(prompts, {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+        batch = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs],
+                                          rollout_logprobs=[o.logprobs for o in outs])
+        recomputed = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
+        return (float((recomputed - batch.rollout_logprobs)[batch.response_mask.bool()].abs().max()),
+                {o.weight_version for o in outs})
+
+    sync = WeightSync(actor, urls, WeightSyncConfig(lora="adapters", adapter_dir=adapter_dir, timeout_s=120))
+    sync.sync(version=0)  # the server's version (an earlier test's) names no adapter of this run until then
+    out = {"base": engine_vs_actor()}
+    for version in range(1, versions + 1):
+        for _ in range(2):  # B starts at zero: the second update is the first to move A
+            batch = TrainBatch.from_sequences([torch.randint(0, 40, (6,), generator=g).tolist() for _ in range(4)],
+                                              [torch.randint(0, 40, (5,), generator=g).tolist() for _ in range(4)],
+                                              advantages=[1.0, -1.0, 0.5, 2.0])
+            actor.update(batch)
+        stale, _ = engine_vs_actor()
+        sync.by_handles = version == 2  # the colocated path: /load_lora_adapter_from_tensors
+        metrics = sync.sync(version=version)
+        diff, served = engine_vs_actor()
+        out[version] = {"stale": stale, "diff": diff, "versions": served, "bytes": metrics["weight_sync/bytes"],
+                        "kept": sorted(p.name for p in Path(adapter_dir).iterdir())}
+    for name in sync.adapters_loaded:  # leave the server as it was found: no adapter, the disk's version
+        http_json("POST", urls[0] + "/unload_lora_adapter", {"lora_name": name}, timeout_s=120)
+    out["trainable"] = actor.trainable_parameters
+    sync.close()
+    client.close()
+    return out
+
+
+def _check_adapters_synced(out: dict, versions: int = 3) -> None:
+    for version in range(1, versions + 1):
+        result = out[version]
+        assert result["stale"] > 1e-2, result  # the updates moved the adapters: the check can fail
+        assert result["diff"] < 1e-5, result  # measured 2.4e-7 at TP 1 and TP 2
+        assert result["versions"] == {str(version)}  # the client named this version's adapter
+        # the PEFT form: more than the actor's adapters (a fused linear's A once per HF module), fp32
+        assert 4 * out["trainable"] < result["bytes"] < 4 * 3 * out["trainable"], result
+    assert out["base"][0] < 1e-5 and out["base"][1] == {"0"}
+    # two versions kept; v2 came by handles (no directory), and v0's and v1's went with their unloads
+    assert out[1]["kept"] == ["policy-v0", "policy-v1"] and out[versions]["kept"] == ["policy-v3"]
+
+
+def test_adapter_only_sync_to_sglang(sglang, model_dir, tmp_path):
+    server = sglang(1)
+    load_from_disk(server, model_dir)
+    _check_adapters_synced(run_on_ranks(_sync_adapters_and_compare, 1, str(model_dir), [server.url],
+                                        str(tmp_path / "adapters"), timeout_s=600)[0])
+
+
 def test_weight_sync_reaches_both_tp_ranks(sglang, model_dir):
     """Both TP ranks load a per-tensor update, then a flattened one from the trainer's memory
     (the streamed and second flattened syncs are the single-rank test's)."""
     server = sglang(2)
     out = run_on_ranks(_sync_and_compare, 1, str(model_dir), [server.url], 2, timeout_s=600)[0]
     _check_synced(out, server.url, 2, versions=2)
+
+
+def test_adapter_only_sync_reaches_both_tp_ranks(sglang, model_dir, tmp_path):
+    server = sglang(2)
+    load_from_disk(server, model_dir)
+    _check_adapters_synced(run_on_ranks(_sync_adapters_and_compare, 1, str(model_dir), [server.url],
+                                        str(tmp_path / "adapters"), timeout_s=600)[0])

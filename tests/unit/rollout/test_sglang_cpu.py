@@ -128,3 +128,27 @@ def test_sgl_kernel_placeholder_binds_the_import_time_cpu_ops():
     env = dict(os.environ, PYTHONPATH=str(SGLANG_CPU_TOOLS), **{SGLANG_CPU_SHIM_ENV: "1"})
     out = subprocess.run([sys.executable, "-c", OPS_PROBE], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "refuses to run: True", out.stderr
+
+
+PIN_PROBE = """
+import torch
+try:
+    a = torch.tensor([1.0, 2.0], pin_memory=True)
+    b = torch.empty(3, pin_memory=True)
+    c = torch.zeros(2).pin_memory()
+    print("unpinned", a.tolist(), b.shape[0], c.is_pinned())
+except RuntimeError as e:
+    print("refused:", "pin_memory" in str(e) or "pinned" in str(e))
+"""
+
+
+@pytest.mark.parametrize("flag, expected", [("1", "unpinned [1.0, 2.0] 3 False"), (None, "refused: True")])
+def test_pinned_memory_is_dropped_with_the_shim_on_a_cpu_only_machine(flag, expected):
+    """SGLang's LoRA layers allocate pinned host tensors, which torch without an accelerator
+    refuses; under the shim (and only there) pinning is dropped, so SGLang serves LoRA on CPU."""
+    env = {k: v for k, v in os.environ.items() if k != SGLANG_CPU_SHIM_ENV}
+    env["PYTHONPATH"] = str(SGLANG_CPU_TOOLS)
+    if flag is not None:
+        env[SGLANG_CPU_SHIM_ENV] = flag
+    out = subprocess.run([sys.executable, "-c", PIN_PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == expected, out.stderr
