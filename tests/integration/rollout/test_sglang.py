@@ -312,6 +312,9 @@ def _sync_adapters_and_compare(model_dir: str, urls: list[str], adapter_dir: str
 
 
 def _check_adapters_synced(out: dict, versions: int = 3) -> None:
+    print("adapter-only sync to SGLang: max |served - actor| logprob after each sync",
+          [f"{out[v]['diff']:.1e}" for v in range(1, versions + 1)], "before it",
+          [f"{out[v]['stale']:.2f}" for v in range(1, versions + 1)])  # docs/training.md's figures (pytest -s)
     for version in range(1, versions + 1):
         result = out[version]
         assert result["stale"] > 1e-2, result  # the updates moved the adapters: the check can fail
