@@ -18,12 +18,8 @@ model's micro-batch also carries its samples' images and MRoPE positions
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import multiprocessing as mp
-import random
-import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,15 +29,12 @@ import torch.distributed as dist
 from megatron_agent.algorithms import AlgorithmConfig, actor_loss
 from megatron_agent.models.bridge import export_hf_weights, load_hf_weights, pack_parameters
 from megatron_agent.models.builder import build_model
-from megatron_agent.models.checkpoint import DTYPES, copy_hf_side_files, model_state, read_mcore_metadata
-from megatron_agent.models.families import family_of
+from megatron_agent.models.checkpoint import DTYPES
 from megatron_agent.models.lora import (
     LoraConfig,
     adapters_off,
     add_lora,
     describe_trainable,
-    lora_mismatch,
-    lora_sharded_state,
     peft_config,
     peft_tensors,
     whole_adapters,
@@ -50,7 +43,7 @@ from megatron_agent.models.transformer_config import num_experts, read_hf_config
 from megatron_agent.platform.collectives import all_reduce, broadcast
 from megatron_agent.platform.distributed import control_group
 from megatron_agent.platform.parallel import ParallelConfig
-from megatron_agent.training.adam_steps import adam_steps, materialize_adam_state, set_adam_steps
+from megatron_agent.training.actor_checkpoint import load_checkpoint, save_checkpoint
 from megatron_agent.training.batch import TrainBatch, micro_batch_images, micro_batches_by_tokens
 from megatron_agent.training.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_agent.training.routing_replay import (
@@ -475,119 +468,16 @@ class Actor:
         `out(hf_name, shape, dtype)`: memory for the tensors the export rebuilds (bridge)."""
         yield from export_hf_weights(self.chunks, self.hf, out)
 
-    # --- checkpoints ----------------------------------------------------------------------
-
-    def _layout(self) -> dict:
-        return {k: v for k, v in vars(self.parallel).items() if k != "sequence_parallel"}
-
-    def _state(self, is_loading: bool) -> dict:
-        from megatron.core import parallel_state as ps
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        # With LoRA the base stays the model directory: the checkpoint holds the adapters.
-        state = {"lora": lora_sharded_state(self.chunks)} if self.lora else model_state(self.chunks)
-        # The distributed optimizer's checkpoint reshards over DP only ("dp_reshardable";
-        # its fully reshardable format needs Apex/TE's Adam). The plain optimizer's state is
-        # keyed by parameter, reshardable to any layout, without the chained-optimizer
-        # prefix (a MoE model has one optimizer for experts, one for the rest).
-        metadata = ({"distrib_optim_sharding_type": "dp_reshardable"} if self.distributed_optimizer
-                    else {"chained_optim_avoid_prefix": True})
-        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        state["rng_state"] = ShardedObject(
-            "rng_state", rng, (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
-            (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-            replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
-        )
-        state["scheduler"] = self.scheduler.state_dict()
-        state["step"] = self.step
-        state["adam_steps"] = adam_steps(self.optimizer)
-        return state
+    # --- checkpoints (training/actor_checkpoint.py) -------------------------------------
 
     def save(self, directory: str | Path) -> Path:
         """Write a checkpoint atomically (temporary dir, renamed when every rank is done);
         keep the last `keep_checkpoints` siblings."""
-        from megatron.core import dist_checkpointing
-
-        directory = Path(directory)
-        tmp = directory.with_name(f".{directory.name}.partial")
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier(group=control_group())
-        _writer_results_queue_dies_with_us()
-        dist_checkpointing.save(self._state(is_loading=False), str(tmp))
-        dist.barrier(group=control_group())
-        if dist.get_rank() == 0:
-            copy_hf_side_files(self.model_dir, tmp / "hf")
-            (tmp / "megatron_agent.json").write_text(json.dumps({
-                "format": "megatron-agent mcore checkpoint", "family": family_of(self.hf).name,
-                "dtype": self.config.params_dtype, "saved_at_layout": self._layout(), "step": self.step,
-                **({"lora": asdict(self.lora), "base_model": str(self.model_dir.resolve())} if self.lora else {}),
-            }, indent=2))
-            if directory.exists():
-                shutil.rmtree(directory)
-            tmp.rename(directory)
-            siblings = sorted(p for p in directory.parent.iterdir() if p.is_dir() and not p.name.startswith("."))
-            for old in siblings[: max(0, len(siblings) - self.config.keep_checkpoints)]:
-                shutil.rmtree(old)
-        dist.barrier(group=control_group())
-        return directory
+        return save_checkpoint(self, directory)
 
     def load(self, directory: str | Path) -> None:
         """Restore model, optimizer, scheduler and step; RNG too when the layout is the same."""
-        import warnings
-
-        from megatron.core import dist_checkpointing
-
-        directory = Path(directory)
-        metadata = read_mcore_metadata(directory)
-        saved = metadata["saved_at_layout"]
-        mismatch = lora_mismatch(str(directory), metadata.get("lora"), self.lora)
-        if mismatch:
-            raise ValueError(mismatch)
-        if (saved.get("ep", 1) > 1) != (self.parallel.ep > 1) and family_of(self.hf).moe:
-            # Megatron keeps expert and dense optimizer states in separate optimizers when
-            # ep > 1 and in one when ep == 1; their checkpoints do not map onto each other.
-            raise ValueError(
-                f"{directory} was saved at ep={saved.get('ep', 1)}; resuming its optimizer at "
-                f"ep={self.parallel.ep} is not supported (export the weights with megatron-agent-convert "
-                "and start a new optimizer, or resume with ep on the same side of 1)"
-            )
-        if self.distributed_optimizer:
-            materialize_adam_state(self.optimizer)
-        state = self._state(is_loading=True)
-        same_layout = saved == self._layout()
-        # the parameters behind the adapters' keys (load rewrites the state's entries)
-        params = {key: sharded.data for key, sharded in state.get("lora", {}).items()}
-        if not same_layout:
-            state.pop("rng_state")
-        with warnings.catch_warnings():
-            # Megatron-Core 0.16's torch_dist reader calls torch's deprecated load_state_dict
-            # on ShardedTensors; torch's FutureWarnings about it name nothing a user can change.
-            warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning,
-                                    module=r"megatron\.core\.dist_checkpointing\.")
-            warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
-                                    "ShardedTensor", category=FutureWarning, module=r"torch\.distributed\.checkpoint\.")
-            loaded = dist_checkpointing.load(state, str(directory))
-        if self.lora:
-            with torch.no_grad():
-                for key, tensor in loaded["lora"].items():
-                    params[key].copy_(tensor)
-        else:
-            for i, chunk in enumerate(self.chunks):
-                chunk.load_state_dict(loaded[f"model{i}"])
-        with torch.no_grad():  # fp32 distributed optimizer: its shards are views of the params
-            self.optimizer.load_state_dict(loaded["optimizer"])
-        if self.distributed_optimizer:
-            set_adam_steps(self.optimizer, int(loaded["adam_steps"]))
-        self.scheduler.load_state_dict(loaded["scheduler"])
-        self.step = int(loaded["step"])
-        if same_layout:
-            rng = loaded["rng_state"]
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
+        load_checkpoint(self, directory)
 
 
 def _count_once(chunks: list) -> tuple[int, int]:
@@ -611,20 +501,3 @@ def _count_once(chunks: list) -> tuple[int, int]:
 
 # What a rank with no sample runs to join its peers' collectives.
 _IDLE_BATCH = TrainBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1))
-
-
-def _writer_results_queue_dies_with_us() -> None:
-    """dist_checkpointing's file writer collects results through a multiprocessing Manager
-    that it starts once and never stops (strategies/filesystem_async.py,
-    _get_write_results_queue). A trainer killed with SIGKILL would leave that server
-    process behind, holding the trainer's stdout; start it ourselves, set to die with us."""
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from megatron_agent.platform.distributed import die_with_parent
-
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=die_with_parent)
-        filesystem_async._results_queue = manager.Queue()
