@@ -172,12 +172,7 @@ def _sync_and_compare(model_dir: str, urls: list[str], versions: int = 4) -> dic
     prompts = [[1, 2, 3, 4, 5], [10, 20, 30], [7]]
 
     def engine_vs_actor() -> tuple[float, set[str]]:
-        outs = client.generate(prompts, {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
-        batch = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs],
-                                          rollout_logprobs=[o.logprobs for o in outs])
-        recomputed = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
-        mask = batch.response_mask.bool()
-        return float((recomputed - batch.rollout_logprobs)[mask].abs().max()), {o.weight_version for o in outs}
+        return _served_vs_trained(client, actor, prompts)
 
     sync = WeightSync(actor, urls, WeightSyncConfig(bucket_bytes=64 * 1024, timeout_s=120, in_place_min_bytes=1))
     out = {"server_ranks": client.server_ranks()}
@@ -196,6 +191,18 @@ def _sync_and_compare(model_dir: str, urls: list[str], versions: int = 4) -> dic
     sync.close()  # the server outlives this trainer: leave no group behind
     client.close()
     return out
+
+
+def _served_vs_trained(client, actor, prompts: list[list[int]]) -> tuple[float, set[str]]:
+    """The server's greedy answers against the actor's recomputed logprobs: the largest
+    difference, and the weight versions the answers name."""
+    from megatron_agent.training.batch import TrainBatch
+
+    outs = client.generate(prompts, {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+    batch = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs], rollout_logprobs=[o.logprobs for o in outs])
+    recomputed = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
+    return float((recomputed - batch.rollout_logprobs)[batch.response_mask.bool()].abs().max()), {
+        o.weight_version for o in outs}
 
 
 def _check_synced(out: dict, url: str, tp_size: int, versions: int = 4) -> None:
@@ -281,12 +288,7 @@ def _sync_adapters_and_compare(model_dir: str, urls: list[str], adapter_dir: str
     prompts = [[1, 2, 3, 4, 5], [10, 20, 30], [7]]
 
     def engine_vs_actor() -> tuple[float, set[str]]:
-        outs = client.generate(prompts, {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
-        batch = TrainBatch.from_sequences(prompts, [o.output_ids for o in outs],
-                                          rollout_logprobs=[o.logprobs for o in outs])
-        recomputed = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
-        return (float((recomputed - batch.rollout_logprobs)[batch.response_mask.bool()].abs().max()),
-                {o.weight_version for o in outs})
+        return _served_vs_trained(client, actor, prompts)
 
     sync = WeightSync(actor, urls, WeightSyncConfig(lora="adapters", adapter_dir=adapter_dir, timeout_s=120))
     sync.sync(version=0)  # the server's version (an earlier test's) names no adapter of this run until then

@@ -106,12 +106,18 @@ except ImportError:
 
 @pytest.mark.parametrize("flag, expected", [("1", "placeholder 0.0.0 some_op Thing.nested"), (None, "absent")])
 def test_placeholder_modules_only_with_their_flag(flag, expected):
+    assert _probe(PROBE, flag) == expected
+
+
+def _probe(script: str, flag: str | None) -> str:
+    """What `script` prints, run with the shim's folder on PYTHONPATH and its flag `flag`."""
     env = {k: v for k, v in os.environ.items() if k != SGLANG_CPU_SHIM_ENV}
     env["PYTHONPATH"] = str(SGLANG_CPU_TOOLS)
     if flag is not None:
         env[SGLANG_CPU_SHIM_ENV] = flag
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == expected, out.stderr
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
 
 
 OPS_PROBE = """
@@ -146,9 +152,4 @@ except RuntimeError as e:
 def test_pinned_memory_is_dropped_with_the_shim_on_a_cpu_only_machine(flag, expected):
     """SGLang's LoRA layers allocate pinned host tensors, which torch without an accelerator
     refuses; under the shim (and only there) pinning is dropped, so SGLang serves LoRA on CPU."""
-    env = {k: v for k, v in os.environ.items() if k != SGLANG_CPU_SHIM_ENV}
-    env["PYTHONPATH"] = str(SGLANG_CPU_TOOLS)
-    if flag is not None:
-        env[SGLANG_CPU_SHIM_ENV] = flag
-    out = subprocess.run([sys.executable, "-c", PIN_PROBE], env=env, capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == expected, out.stderr
+    assert _probe(PIN_PROBE, flag) == expected
