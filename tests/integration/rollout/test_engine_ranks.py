@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_agent.platform.distributed import free_port
 from megatron_agent.weight_sync import send_weights
-from rollout.embedded_engine import Engine, SamplingParams
+from rollout.embedded_engine import BadRequest, Engine, SamplingParams
 from rollout.engine_client import EngineClient, http_json
 from rollout.engine_launch import launch_engines, stop_engines
 from rollout.engine_ranks import RankedEngine, RanksDisagree
@@ -158,6 +158,32 @@ def test_a_request_gives_the_same_result_on_either_rank(local, old_dir):
         assert {first[0].rank, first[1].rank} == {0, 1}
         for a, b in zip(first, second):
             assert a.rank != b.rank and a.output_ids == b.output_ids and a.logprobs == b.logprobs
+
+
+def test_both_ranks_serve_an_adapter_by_name(local, old_dir, tmp_path):
+    """A PEFT adapter loaded from a directory and by tensor handles (one entry per rank):
+    the prompts dealt to both ranks get `peft`'s logprobs (1e-5); unloaded everywhere."""
+    from safetensors.torch import load_file
+
+    from tests.unit.rollout.test_engine_lora import _peft_model, _serialized
+
+    reference = _peft_model(str(old_dir), tmp_path / "adapter")
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    config = {"r": 4, "lora_alpha": 8}
+    local.load_lora_adapter("dir", str(tmp_path / "adapter"))
+    local.load_lora_adapter_from_tensors("handles", config, [_serialized(tensors)] * 2)
+    ps = prompts(old_dir)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    for name in ("dir", "handles"):
+        outs = local.generate(ps, [greedy] * 4, [f"{name}{i}" for i in range(4)], adapters=[name] * 4)
+        assert {o.rank for o in outs} == {0, 1}
+        for p, o in zip(ps, outs):
+            expected = teacher_forced(reference, p, o.output_ids, 0.0)
+            assert float((torch.tensor(o.logprobs) - expected).abs().max()) < 1e-5, (name, o.rank)
+    for name in ("dir", "handles"):
+        local.unload_lora_adapter(name)
+    with pytest.raises(BadRequest, match="names no loaded LoRA adapter"):
+        local.generate(ps[:2], [greedy] * 2, ["x", "y"], adapters=["dir"] * 2)
 
 
 def test_a_rank_that_missed_an_update_is_caught(local, old_dir, new_dir):
