@@ -1,7 +1,8 @@
 """LoRA on the actor across layouts, against transformers and against itself at TP=1.
 
-One 2-rank job per family runs each layout in turn on the same batches, with adapters
-of rank 4 on every linear (experts included) and a KL loss to the base:
+One 2-rank job per family runs each layout in turn on the same batches (dense: TP=2,
+PP=2, DP=2 with the adapters in the distributed optimizer; MoE: TP=2 with SP, EP=2), with
+adapters of rank 4 on every linear (experts included) and a KL loss to the base:
 - after two updates (B starts at zero, so the second is the first to move A), the
   merged weights and the logprobs equal TP=1's (1e-5), and transformers with the
   merged weights gives the same logprobs (1e-4);
@@ -17,6 +18,7 @@ of rank 4 on every linear (experts included) and a KL loss to the base:
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +29,10 @@ from tests.multirank.test_actor import TEMPERATURE, _batch, _max_diff, _merged_w
 
 pytestmark = pytest.mark.multirank
 
-LAYOUTS = {"qwen3": [dict(tp=2), dict(pp=2)], "qwen3_moe": [dict(tp=2, sequence_parallel=True), dict(ep=2)]}
+# DISTRIBUTED: DP=2 with the adapters in the distributed optimizer (the others keep Adam whole)
+DISTRIBUTED = "distributed_optimizer"
+LAYOUTS = {"qwen3": [dict(tp=2), dict(pp=2), {DISTRIBUTED: True}],
+           "qwen3_moe": [dict(tp=2, sequence_parallel=True), dict(ep=2)]}
 RANK, ALPHA = 4, 8.0
 
 
@@ -56,7 +61,7 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
         return actor.update(batch)
 
     for layout in [dict()] + layouts:
-        actor = make(layout, config)
+        actor = make(parallel_of(layout), replace(config, use_distributed_optimizer=DISTRIBUTED in layout))
         batch = _batch(hf["vocab_size"])
         out = {"before": actor.compute_logprobs(batch)["logprobs"], "trainable": actor.trainable_parameters,
                "held": sum(a.a.numel() + a.b.numel() for a in adapters(actor.chunks)),  # this rank's
@@ -90,8 +95,13 @@ def _worker(model_dir: str, ckpt_root: str, layouts: list[dict]) -> dict:
 
 
 def resumable(layouts):
-    """An optimizer saved at ep > 1 does not load at ep = 1 (refused: tests/multirank/test_actor.py)."""
-    return [layout for layout in layouts if layout.get("ep", 1) == 1]
+    """An optimizer saved at ep > 1 does not load at ep = 1 (refused: tests/multirank/test_actor.py),
+    nor a distributed optimizer's into a whole one."""
+    return [layout for layout in layouts if layout.get("ep", 1) == 1 and DISTRIBUTED not in layout]
+
+
+def parallel_of(layout: dict) -> dict:
+    return {k: v for k, v in layout.items() if k != DISTRIBUTED}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -156,7 +166,7 @@ def test_only_the_adapters_train_and_are_saved(lora_results):
     for layout in [dict()] + LAYOUTS[family]:
         assert per_rank[0][_name(layout)]["trainable"] == by_hand, layout
         # what memory.py counts on the first stage's GPU at this layout
-        held = sum(lora_parameters(hf, LoraConfig(rank=RANK, alpha=ALPHA), ParallelConfig(**layout)))
+        held = sum(lora_parameters(hf, LoraConfig(rank=RANK, alpha=ALPHA), ParallelConfig(**parallel_of(layout))))
         assert per_rank[0][_name(layout)]["held"] == held, layout
     assert sum(r["tp=1"]["optimized"] for r in per_rank) == 2 * by_hand  # DP=2: each rank all of them
     keys = per_rank[0]["checkpoint keys"]
