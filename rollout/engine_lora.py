@@ -70,7 +70,7 @@ def read_peft_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         config = json.loads((path / "adapter_config.json").read_text())
         tensors = load_file(path / "adapter_model.safetensors")
-    except (OSError, ValueError) as err:
+    except Exception as err:  # missing, unreadable, not JSON, not safetensors: the request's directory
         raise AdapterProblem(f"lora_path {path} is no PEFT adapter directory (adapter_config.json, "
                              f"adapter_model.safetensors): {type(err).__name__}: {err}") from None
     return config, tensors

@@ -101,6 +101,12 @@ def test_sglang_s_rules_for_names_and_unloads(engine, tiny_model_dir, tmp_path):
     assert err.value.field == "lora_path"
     with pytest.raises(BadRequest, match="no PEFT adapter directory"):
         load(engine, {"lora_name": "v2", "lora_path": str(tmp_path)})
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    (garbled / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(BadRequest, match="no PEFT adapter directory"):
+        load(engine, {"lora_name": "v2", "lora_path": str(garbled)})
 
     # an unload refuses new requests at once and waits for the one queued
     engine.pause("in_place")
