@@ -165,13 +165,14 @@ def test_both_ranks_serve_an_adapter_by_name(local, old_dir, tmp_path):
     the prompts dealt to both ranks get `peft`'s logprobs (1e-5); unloaded everywhere."""
     from safetensors.torch import load_file
 
-    from tests.unit.rollout.test_engine_lora import _peft_model, _serialized
+    from tests.unit.rollout.test_engine_lora import Handles, _peft_model
 
     reference = _peft_model(str(old_dir), tmp_path / "adapter")
     tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     config = {"r": 4, "lora_alpha": 8}
     local.load_lora_adapter("dir", str(tmp_path / "adapter"))
-    local.load_lora_adapter_from_tensors("handles", config, [_serialized(tensors)] * 2)
+    shared = Handles()  # the memory the handles point to, alive until the ranks copied it
+    local.load_lora_adapter_from_tensors("handles", config, [shared(tensors)] * 2)
     ps = prompts(old_dir)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     for name in ("dir", "handles"):

@@ -144,7 +144,8 @@ def test_a_broken_adapter_is_refused_naming_why(engine, broken, message):
     else:
         config = broken
     with pytest.raises(BadRequest, match=message):
-        engine.load_lora_adapter_from_tensors("broken", config, [_serialized(tensors)])
+        shared = Handles()
+        engine.load_lora_adapter_from_tensors("broken", config, [shared(tensors)])
     assert "broken" not in engine.adapters.loaded
 
 
@@ -154,8 +155,16 @@ def engine_params():
     return SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 
 
-def _serialized(tensors: dict) -> str:
-    from rollout.weight_tensors import serialize, tensor_payload
+class Handles:
+    """`serialized_named_tensors` entries for `tensors`, as a trainer sends them: handles to
+    shared memory that must outlive the engine's read (this object holds it)."""
 
-    _, payload = tensor_payload(list(tensors.items()), flattened=False)
-    return serialize(payload)
+    def __init__(self):
+        self.buffers = []
+
+    def __call__(self, tensors: dict) -> str:
+        from rollout.weight_tensors import serialize, tensor_payload
+
+        buffer, payload = tensor_payload(list(tensors.items()), flattened=False)
+        self.buffers.append(buffer)
+        return serialize(payload)
