@@ -59,6 +59,7 @@ from rollout.json_fields import (
     boolean,
     describe,
     integer,
+    json_object,
     listed,
     number,
     one_of,
@@ -418,29 +419,28 @@ class AdapterRequest:
 def parse_load_adapter(body: dict) -> AdapterRequest:
     """SGLang's LoadLoRAAdapterReqInput: lora_name and lora_path (`pinned` ignored)."""
     optional(body, "pinned", boolean)
-    return AdapterRequest(required(body, "lora_name", lambda v, f: string(v, f, non_empty=True)),
-                          required(body, "lora_path", lambda v, f: string(v, f, non_empty=True, path=True)))
+    return AdapterRequest(_lora_name(body), required(body, "lora_path",
+                                                     lambda v, f: string(v, f, non_empty=True, path=True)))
 
 
 def parse_load_adapter_from_tensors(body: dict) -> AdapterRequest:
     """SGLang's LoadLoRAAdapterFromTensorsReqInput: lora_name, config_dict (an object),
     serialized_named_tensors (one base64 entry per engine rank), load_format."""
     optional(body, "pinned", boolean)
-    config = required(body, "config_dict", lambda v, f: v if type(v) is dict else _not_object(f))
+    config = required(body, "config_dict", json_object)
     serialized = required(body, "serialized_named_tensors", strings)
     if not serialized:
         raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)", "serialized_named_tensors")
-    return AdapterRequest(required(body, "lora_name", lambda v, f: string(v, f, non_empty=True)), None, config,
-                          serialized, optional(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_TENSOR)))
+    return AdapterRequest(_lora_name(body), None, config, serialized, optional(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_TENSOR)))
 
 
 def parse_unload_adapter(body: dict) -> AdapterRequest:
     """SGLang's UnloadLoRAAdapterReqInput: lora_name."""
-    return AdapterRequest(required(body, "lora_name", lambda v, f: string(v, f, non_empty=True)))
+    return AdapterRequest(_lora_name(body))
 
 
-def _not_object(field: str):
-    raise BadRequest(f"{field} must be an object", field)
+def _lora_name(body: dict) -> str:
+    return required(body, "lora_name", lambda v, f: string(v, f, non_empty=True))
 
 
 # -- the others --------------------------------------------------------------------------------

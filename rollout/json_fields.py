@@ -93,6 +93,12 @@ def listed(value, field: str) -> list:
     return value
 
 
+def json_object(value, field: str) -> dict:
+    if type(value) is not dict:
+        raise BadRequest(f"{field} must be an object, got {describe(value)}", field)
+    return value
+
+
 def strings(value, field: str, *, non_empty_items: bool = False) -> list[str]:
     return [string(v, f"{field}[{i}]", non_empty=non_empty_items) for i, v in enumerate(listed(value, field))]
 
