@@ -431,7 +431,8 @@ def parse_load_adapter_from_tensors(body: dict) -> AdapterRequest:
     serialized = required(body, "serialized_named_tensors", strings)
     if not serialized:
         raise BadRequest("serialized_named_tensors is empty (one entry per engine rank)", "serialized_named_tensors")
-    return AdapterRequest(_lora_name(body), None, config, serialized, optional(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_TENSOR)))
+    load_format = optional(body, "load_format", lambda v, f: one_of(v, f, LOAD_FORMATS_TENSOR))
+    return AdapterRequest(_lora_name(body), None, config, serialized, load_format)
 
 
 def parse_unload_adapter(body: dict) -> AdapterRequest:

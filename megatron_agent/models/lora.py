@@ -376,8 +376,11 @@ def _targeted_rules(hf: dict, lora: LoraConfig):
 
 def hf_module_names(hf: dict, lora: LoraConfig) -> tuple[str, ...]:
     """The HF modules' leaf names the adapters sit on (PEFT's and SGLang's target modules)."""
-    return tuple(sorted({name.removesuffix(".weight").rsplit(".", 1)[-1]
-                         for rule in _targeted_rules(hf, lora) for name in rule.hf}))
+    return _leaf_names(_targeted_rules(hf, lora))
+
+
+def _leaf_names(rules) -> tuple[str, ...]:
+    return tuple(sorted({name.removesuffix(".weight").rsplit(".", 1)[-1] for rule in rules for name in rule.hf}))
 
 
 def adapter_serving_problem(hf: dict, lora: LoraConfig) -> str | None:
@@ -398,10 +401,9 @@ def peft_config(hf: dict, lora: LoraConfig, base_model: str | None) -> dict:
     from megatron_agent.models.families.common import FUSED_EXPERTS
 
     rules = list(_targeted_rules(hf, lora))
-    modules = sorted({name.removesuffix(".weight").rsplit(".", 1)[-1]
-                      for rule in rules if rule.fuse != FUSED_EXPERTS for name in rule.hf})
-    parameters = sorted({"mlp.experts." + rule.hf[0].rsplit(".", 1)[-1] for rule in rules if rule.fuse == FUSED_EXPERTS},
-                        key=lambda p: not p.endswith("gate_up_proj"))
+    modules = list(_leaf_names(rule for rule in rules if rule.fuse != FUSED_EXPERTS))
+    fused = _leaf_names(rule for rule in rules if rule.fuse == FUSED_EXPERTS)
+    parameters = [f"mlp.experts.{leaf}" for leaf in sorted(fused, key=lambda leaf: leaf != "gate_up_proj")]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "target_modules": modules or None, "bias": "none", "use_rslora": False,
             "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
