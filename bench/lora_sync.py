@@ -38,18 +38,15 @@ HF_MODULES = {"linear_qkv": 3, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 
 
 
 def peft_bytes(hf: dict, lora, bytes_per_value: int) -> int:
-    """Bytes of the PEFT adapter `lora` puts on `hf` (models/lora.py peft_tensors' layout)."""
-    from megatron_agent.models.memory import attention_widths
+    """Bytes of the PEFT adapter `lora` puts on `hf` (models/lora.py peft_tensors' layout:
+    `lora_parameters`' A and B, with a fused linear's A once per HF module)."""
+    from megatron_agent.models.memory import linear_widths
+    from megatron_agent.models.transformer_config import num_experts
 
-    d = hf["hidden_size"]
-    q, kv, _ = attention_widths(hf)
-    experts = hf.get("num_experts") or 0
-    ffn = hf["moe_intermediate_size"] if experts else hf["intermediate_size"]
-    widths = {"linear_qkv": (d, q + 2 * kv), "linear_proj": (q, d), "linear_fc1": (d, 2 * ffn),
-              "linear_fc2": (ffn, d)}
+    experts = num_experts(hf) or 0
     per_layer = 0
     for target in lora.targets:
-        n_in, n_out = widths[target]
+        n_in, n_out = linear_widths(hf)[target]
         copies = (experts if lora.experts else 0) if experts and target in ("linear_fc1", "linear_fc2") else 1
         per_layer += copies * lora.rank * (HF_MODULES[target] * n_in + n_out)
     return per_layer * hf["num_hidden_layers"] * bytes_per_value

@@ -136,12 +136,12 @@ def _num_experts(hf: dict) -> int:
 
 
 # Megatron's linears LoRA targets (models/lora.py): (column-parallel: output rows split over
-# TP, A whole; row-parallel: input columns split, B whole), their widths by `_linear_widths`.
+# TP, A whole; row-parallel: input columns split, B whole), their widths by `linear_widths`.
 _COLUMN_LINEARS = ("linear_qkv", "linear_fc1")
 _EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 
 
-def _linear_widths(hf: dict) -> dict[str, tuple[int, int]]:
+def linear_widths(hf: dict) -> dict[str, tuple[int, int]]:
     """(in, out) of each decoder linear LoRA may target (an expert's for an MoE model)."""
     d = hf["hidden_size"]
     q, kv, _ = attention_widths(hf)
@@ -159,7 +159,7 @@ def lora_parameters(hf: dict, lora, parallel: ParallelConfig | None = None) -> t
     layers = hf["num_hidden_layers"] // parallel.pp
     dense = expert = 0
     for target in lora.targets:
-        n_in, n_out = _linear_widths(hf)[target]
+        n_in, n_out = linear_widths(hf)[target]
         is_expert = moe and target in _EXPERT_LINEARS
         tp = parallel.expert_tp if is_expert else parallel.tp
         per_linear = lora.rank * (n_in + n_out // tp if target in _COLUMN_LINEARS else n_in // tp + n_out)
