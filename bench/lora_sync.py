@@ -8,7 +8,7 @@ adapters by tensor handles, merged, ...), so all see the same load on a shared m
 the figures are medians, and each ratio is the median of a round's merged seconds over
 that round's adapter seconds. A merged sync sends the whole model, W + (alpha/r)·B·A for
 each adapted linear, over the weight-update group (gloo here, NCCL on GPUs); an adapter
-sync gathers the adapters whole and loads them as a PEFT adapter (weight_sync/__init__.py).
+sync gathers the adapters whole and loads them as a PEFT adapter (weight_sync/adapters.py).
 
 The Qwen3-30B-A3B line is arithmetic: the model's bf16 bytes against PEFT's tensors for
 the same adapters (a fused linear's A once per HF module it is cut into), the formula

@@ -35,7 +35,7 @@ weight version (rollout/engine_lora.py `adapter_name`): every rank takes part in
 them whole (`Actor.lora_adapter`), and rank 0 pauses generation, loads the adapter into every
 engine (`/load_lora_adapter_from_tensors` with tensor handles; otherwise
 `/load_lora_adapter` from a directory under `adapter_dir`, which the engines must see),
-sets the version, resumes, and unloads the adapter two versions back. The rollout's client
+sets the version, resumes, and unloads the adapter two versions back (adapters.py). The rollout's client
 names the adapter of each server's version in every call (EngineClient.lora_adapters).
 
 A failure on any rank (an engine that died, a timeout) reaches every rank as a
@@ -45,19 +45,16 @@ next sync builds them again, so it succeeds against restarted engines.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import shutil
 import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_agent.models.lora import write_peft_dir
+from megatron_agent.weight_sync.adapters import AdapterLoader
 from megatron_agent.weight_sync.buckets import (
     BucketBuffers,
     BucketPipeline,
@@ -122,7 +119,6 @@ class WeightSyncConfig:
 
 
 LORA_SYNC_MODES = ("merged", "adapters")
-ADAPTERS_KEPT = 2  # adapter versions an engine holds: requests may still name the one before
 
 
 class WeightSync:
@@ -158,7 +154,8 @@ class WeightSync:
         # flattened one send the laid-out runs straight from the parameters' memory (PlannedBuckets)
         self.in_place: InPlaceBuckets | None = None
         self.engine_ranks: dict[str, int] | None = None  # tensor transport: one payload per engine rank
-        self.adapters_loaded: list[str] = []  # lora=adapters: the engines' adapters, oldest first
+        self.adapters = AdapterLoader(self.config.adapter_dir, pause_mode=self.config.pause_mode,
+                                      timeout_s=self.config.timeout_s)  # lora=adapters (adapters.py)
         if self.config.lora not in LORA_SYNC_MODES:
             raise ValueError(f"weight_sync.lora={self.config.lora!r}; choose one of {LORA_SYNC_MODES}")
         if self.config.lora == "adapters" and getattr(actor, "lora", None) is None:
@@ -182,7 +179,7 @@ class WeightSync:
         """New engine addresses (restarted engines); the next sync reconnects."""
         self._disconnect()
         self.urls = list(engine_urls)
-        self.adapters_loaded = []  # fresh engines hold none of ours
+        self.adapters.forget()
 
     # --- connection -----------------------------------------------------------------
 
@@ -295,53 +292,12 @@ class WeightSync:
         if self.rank == 0:
             config, tensors = adapter
             sent = sum(t.numel() * t.element_size() for t in tensors.values())
-            errors += self._try(lambda: self._load_adapter(version, config, tensors))
+            errors += self._try(lambda: self.adapters.load(self._client(), version, config, tensors,
+                                                           by_handles=self.by_handles))
         self._raise_if_any(errors, "loading the LoRA adapter")
         seconds = time.perf_counter() - start
         return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(sent), "weight_sync/buckets": 1.0,
                 "weight_sync/gb_per_s": sent / 1e9 / seconds, "weight_sync/bytes_in_place": 0.0}
-
-    def _load_adapter(self, version: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """(rank 0) Adapter `version` into every engine, then its version set; the adapter
-        ADAPTERS_KEPT versions back unloaded once generation resumed (SGLang waits for the
-        requests that name it)."""
-        from rollout.engine_client import EngineError
-        from rollout.engine_lora import adapter_name
-
-        client, name = self._client(), adapter_name(version)
-        client.pause_generation(self.config.pause_mode)
-        try:
-            # a name held from an earlier trainer (a resume against running engines) is stale
-            with contextlib.suppress(EngineError):
-                client.post_all("/unload_lora_adapter", {"lora_name": name}, timeout_s=self.config.timeout_s)
-            if self.by_handles:
-                self._post_adapter_handles(client, name, config, tensors)
-            else:
-                directory = Path(self.config.adapter_dir or "adapters") / name
-                write_peft_dir(directory, config, tensors)
-                client.post_all("/load_lora_adapter", {"lora_name": name, "lora_path": str(directory.resolve())},
-                                timeout_s=self.config.timeout_s)
-            client.update_weight_version(version)
-        finally:
-            client.continue_generation()
-        self.adapters_loaded = [n for n in self.adapters_loaded if n != name] + [name]
-        while len(self.adapters_loaded) > ADAPTERS_KEPT:
-            old = self.adapters_loaded.pop(0)
-            client.post_all("/unload_lora_adapter", {"lora_name": old}, timeout_s=self.config.timeout_s)
-            shutil.rmtree(Path(self.config.adapter_dir or "adapters") / old, ignore_errors=True)  # if written
-
-    def _post_adapter_handles(self, client, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-        from rollout.weight_tensors import FLATTENED, serialize, tensor_payload
-
-        if self.engine_ranks is None:
-            self.engine_ranks = client.server_ranks(timeout_s=min(30.0, self.config.timeout_s))
-        buffer, payload = tensor_payload(list(tensors.items()), flattened=True)
-        bodies = {url: {"lora_name": name, "config_dict": config, "load_format": FLATTENED,
-                        "serialized_named_tensors": [serialize(payload) for _ in range(n)]}
-                  for url, n in self.engine_ranks.items()}
-        client.post_all_async("/load_lora_adapter_from_tensors", bodies=bodies,
-                              timeout_s=self.config.timeout_s).result(timeout=self.config.timeout_s)
-        del buffer  # the engines copied out of it before answering
 
     def _send_stage(self, version: str, send: bool = True):
         """Every rank of this stage iterates the export; the source sends. After an error, or

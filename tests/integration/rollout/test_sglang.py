@@ -305,7 +305,7 @@ def _sync_adapters_and_compare(model_dir: str, urls: list[str], adapter_dir: str
         diff, served = engine_vs_actor()
         out[version] = {"stale": stale, "diff": diff, "versions": served, "bytes": metrics["weight_sync/bytes"],
                         "kept": sorted(p.name for p in Path(adapter_dir).iterdir())}
-    for name in sync.adapters_loaded:  # leave the server as it was found: no adapter, the disk's version
+    for name in sync.adapters.loaded:  # leave the server as it was found: no adapter, the disk's version
         http_json("POST", urls[0] + "/unload_lora_adapter", {"lora_name": name}, timeout_s=120)
     out["trainable"] = actor.trainable_parameters
     sync.close()
