@@ -114,7 +114,8 @@ class WeightSyncConfig:
     # base weights (SGLang's --enable-lora, on GPUs; the embedded engine).
     lora: str = "merged"
     # "adapters" without tensor handles: where the PEFT adapter of each version is written for the
-    # engines to read (a filesystem they share with rank 0); None: run_dir/adapters.
+    # engines to read (a filesystem they share with rank 0); None: run_dir/adapters in a run
+    # (engine_fleet.make_weight_sync), ./adapters for a WeightSync made alone.
     adapter_dir: str | None = None
 
 
